@@ -1,0 +1,29 @@
+# make test: fresh virtualenv with everything, then ruff, mypy (strict on opguard/) and the full suite.
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+
+.PHONY: venv test lint unit demo bench clean
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+
+venv: $(BIN)/python
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e '.[dev,mpi]' 'torch==2.13.0' numpy
+
+lint: venv
+	$(BIN)/ruff check opguard tests bench
+	$(BIN)/mypy
+
+test: lint
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+unit: venv
+	$(BIN)/python -m pytest -m "not slurm and not crash" $(PYTEST_ARGS)
+
+demo: venv
+	bash demo.sh
+
+clean:
+	rm -rf $(VENV) demo .pytest_cache .mypy_cache

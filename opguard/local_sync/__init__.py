@@ -1,0 +1,1 @@
+"""Spec-compatible spelling: ``python -m opguard.local_sync.materialize SOURCE DEST``."""

@@ -1,0 +1,258 @@
+"""The batch file format (``docs/format.md`` §7): write one, read one, verify one.
+
+A batch is header | zstd(payload) | zstd(manifest JSON) | footer. The payload is the
+concatenation of the entries' bytes in manifest order. Readers never trust the zstd stream
+alone: sizes and SHA-256 digests are checked for every entry.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+import zstandard
+
+from opguard.errors import IdentityError, IntegrityError
+
+FORMAT_VERSION = 2
+HEADER_MAGIC = b"OPGBATCH"
+FOOTER_MAGIC = b"OPGBEND\0"
+HEADER = struct.Struct("<8sII")
+FOOTER = struct.Struct("<QQ32s8s")
+CHUNK = 1 << 20
+ZSTD_LEVEL = 3
+
+
+def batch_name(sequence: int, digest: str) -> str:
+    return f"{sequence:012d}-{digest}.ogb"
+
+
+def parse_batch_name(name: str) -> tuple[int, str] | None:
+    """(sequence, digest) for a well-formed batch name, else None."""
+    if not name.endswith(".ogb") or len(name) != 12 + 1 + 64 + 4 or name[12] != "-":
+        return None
+    seq, digest = name[:12], name[13:77]
+    if not seq.isdigit() or any(c not in "0123456789abcdef" for c in digest):
+        return None
+    return int(seq), digest
+
+
+def check_relpath(path: str) -> str:
+    """Refuse paths that could escape a restore root (``docs/format.md`` §7)."""
+    if (not path or path.startswith("/") or "\\" in path or "\0" in path
+            or any(part in ("", ".", "..") for part in path.split("/"))):
+        raise IntegrityError(f"unsafe path {path!r} in a batch manifest",
+                             "the batch was not written by opguard or is damaged; do not restore it by hand")
+    return path
+
+
+class _HashingWriter:
+    """File-like sink that hashes and counts what passes through to ``f``."""
+
+    def __init__(self, f: IO[bytes]) -> None:
+        self.f = f
+        self.sha = hashlib.sha256()
+        self.size = 0
+
+    def write(self, data: bytes) -> int:
+        self.f.write(data)
+        self.sha.update(data)
+        self.size += len(data)
+        return len(data)
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
+class BatchWriter:
+    """Builds one batch file at ``path``. Use :meth:`add_bytes`/:meth:`add_stream`, then :meth:`finish`."""
+
+    def __init__(self, path: Path, manifest: dict[str, Any]) -> None:
+        self.path = path
+        self.manifest = dict(manifest)
+        self.entries: list[dict[str, Any]] = []
+        self._f = open(path, "wb")
+        self._out = _HashingWriter(self._f)
+        self._out.write(HEADER.pack(HEADER_MAGIC, FORMAT_VERSION, HEADER.size))
+        cctx = zstandard.ZstdCompressor(level=ZSTD_LEVEL, write_checksum=True)
+        self._z = cctx.stream_writer(self._out, closefd=False, write_return_read=True)  # type: ignore[arg-type]
+        self.payload_size = 0
+
+    def add_stream(self, entry: dict[str, Any], src: IO[bytes], size: int,
+                   on_chunk: Callable[[int], None] | None = None) -> str:
+        """Copy exactly ``size`` bytes of ``src`` as one entry; returns its sha256."""
+        sha = hashlib.sha256()
+        left = size
+        while left:
+            buf = src.read(min(CHUNK, left))
+            if not buf:
+                raise OSError(f"source for {entry.get('path')!r} ended {left} bytes early")
+            sha.update(buf)
+            self._z.write(buf)
+            left -= len(buf)
+            if on_chunk:
+                on_chunk(len(buf))
+        digest = sha.hexdigest()
+        self.entries.append({**entry, "size": size, "sha256": digest})
+        self.payload_size += size
+        return digest
+
+    def add_bytes(self, entry: dict[str, Any], data: bytes) -> str:
+        import io
+        return self.add_stream(entry, io.BytesIO(data), len(data))
+
+    def abort(self) -> None:
+        try:
+            self._f.close()
+        finally:
+            self.path.unlink(missing_ok=True)
+
+    def finish(self) -> tuple[str, int]:
+        """Write manifest and footer, fsync, close. Returns (sha256 of file, file size)."""
+        self._z.flush(zstandard.FLUSH_FRAME)
+        payload_len = self._out.size - HEADER.size
+        self.manifest.update({"format": "opguard-batch", "version": FORMAT_VERSION,
+                              "entries": self.entries, "payload_size": self.payload_size})
+        mbytes = zstandard.ZstdCompressor(level=ZSTD_LEVEL, write_checksum=True).compress(
+            json.dumps(self.manifest, sort_keys=True, separators=(",", ":")).encode())
+        self._out.write(mbytes)
+        self._out.write(FOOTER.pack(payload_len, len(mbytes), hashlib.sha256(mbytes).digest(), FOOTER_MAGIC))
+        self._f.flush()
+        os.fsync(self._f.fileno())
+        self._f.close()
+        return self._out.sha.hexdigest(), self._out.size
+
+
+@dataclass
+class BatchInfo:
+    path: Path
+    manifest: dict[str, Any]
+    payload_offset: int
+    payload_len: int
+    size: int
+
+
+def _damaged(path: Path, what: str) -> IntegrityError:
+    return IntegrityError(f"batch {path} is damaged: {what}",
+                          "the shared copy was altered or truncated; restore it from a backup or re-run")
+
+
+def read_manifest(path: Path) -> BatchInfo:
+    """Parse header, footer and manifest of a batch (no payload check)."""
+    size = path.stat().st_size
+    if size < HEADER.size + FOOTER.size:
+        raise _damaged(path, f"only {size} bytes")
+    with open(path, "rb") as f:
+        magic, version, hlen = HEADER.unpack(f.read(HEADER.size))
+        if magic != HEADER_MAGIC:
+            raise _damaged(path, "bad header magic")
+        if version > FORMAT_VERSION:
+            raise IdentityError(f"batch {path} has format version {version}; this opguard reads up to {FORMAT_VERSION}",
+                                "upgrade opguard to read it")
+        f.seek(size - FOOTER.size)
+        plen, mlen, msha, fmagic = FOOTER.unpack(f.read(FOOTER.size))
+        if fmagic != FOOTER_MAGIC:
+            raise _damaged(path, "bad footer magic (truncated?)")
+        if hlen + plen + mlen + FOOTER.size != size:
+            raise _damaged(path, "section lengths do not add up to the file size")
+        f.seek(hlen + plen)
+        mbytes = f.read(mlen)
+    if hashlib.sha256(mbytes).digest() != msha:
+        raise _damaged(path, "manifest checksum mismatch")
+    try:
+        raw = zstandard.ZstdDecompressor().decompress(mbytes)
+        manifest = json.loads(raw)
+    except (zstandard.ZstdError, ValueError) as e:
+        raise _damaged(path, f"manifest unreadable ({e})") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != "opguard-batch":
+        raise _damaged(path, "manifest is not an opguard batch manifest")
+    if int(manifest.get("version", 0)) > FORMAT_VERSION:
+        raise IdentityError(f"batch {path} manifest version {manifest.get('version')} is newer than {FORMAT_VERSION}",
+                            "upgrade opguard to read it")
+    for e in manifest.get("entries", []):
+        check_relpath(e["path"])
+    return BatchInfo(path, manifest, hlen, plen, size)
+
+
+def iter_entries(info: BatchInfo) -> Iterator[tuple[dict[str, Any], Iterator[bytes]]]:
+    """Yield (entry, chunks) in order; each entry's chunks MUST be consumed before the next.
+
+    Raises IntegrityError on any size or digest mismatch, including a truncated stream.
+    """
+    dctx = zstandard.ZstdDecompressor()
+    with open(info.path, "rb") as f:
+        f.seek(info.payload_offset)
+        limited = _Limited(f, info.payload_len)
+        reader = dctx.stream_reader(limited, read_across_frames=False, closefd=False)  # type: ignore[arg-type]
+        total = 0
+        for entry in info.manifest["entries"]:
+            yield entry, _entry_chunks(info, reader, entry)
+            total += int(entry["size"])
+        if reader.read(1):
+            raise _damaged(info.path, "payload longer than the manifest says")
+        if total != info.manifest.get("payload_size"):
+            raise _damaged(info.path, "payload_size disagrees with the entries")
+        if limited.left != 0:
+            raise _damaged(info.path, f"{limited.left} unread payload bytes after the zstd frame")
+
+
+def _entry_chunks(info: BatchInfo, reader: Any, entry: dict[str, Any]) -> Iterator[bytes]:
+    sha = hashlib.sha256()
+    left = int(entry["size"])
+    while left:
+        try:
+            buf = reader.read(min(CHUNK, left))
+        except zstandard.ZstdError as e:
+            raise _damaged(info.path, f"zstd error in {entry['path']!r}: {e}") from None
+        if not buf:
+            raise _damaged(info.path, f"payload ends {left} bytes early inside {entry['path']!r}")
+        sha.update(buf)
+        left -= len(buf)
+        yield buf
+    if sha.hexdigest() != entry["sha256"]:
+        raise _damaged(info.path, f"checksum mismatch for {entry['path']!r}")
+
+
+class _Limited:
+    """Read at most ``left`` bytes from ``f`` (the payload section)."""
+
+    def __init__(self, f: IO[bytes], left: int) -> None:
+        self.f = f
+        self.left = left
+
+    def read(self, n: int = -1) -> bytes:
+        if n < 0 or n > self.left:
+            n = self.left
+        data = self.f.read(n)
+        self.left -= len(data)
+        return data
+
+    def readinto(self, b: Any) -> int:
+        data = self.read(len(b))
+        b[: len(data)] = data
+        return len(data)
+
+
+def file_sha256(path: Path) -> str:
+    sha = hashlib.sha256()
+    with open(path, "rb") as f:
+        while buf := f.read(CHUNK):
+            sha.update(buf)
+    return sha.hexdigest()
+
+
+def verify_batch(path: Path, expected_digest: str | None = None) -> BatchInfo:
+    """Full check of one batch: file digest (if given), manifest, every entry."""
+    if expected_digest is not None and file_sha256(path) != expected_digest:
+        raise _damaged(path, "file digest differs from the digest in its name")
+    info = read_manifest(path)
+    for _entry, chunks in iter_entries(info):
+        for _ in chunks:
+            pass
+    return info

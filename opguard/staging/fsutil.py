@@ -1,0 +1,78 @@
+"""Small durable-file helpers: fsync a directory, atomic JSON replace, create-if-absent."""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+from pathlib import Path
+from typing import Any
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def tmp_name(final: Path, prefix: str = ".opguard-tmp-") -> Path:
+    return final.with_name(f"{prefix}{final.name}.{secrets.token_hex(6)}")
+
+
+def write_bytes_durable(path: Path, data: bytes) -> None:
+    """Write, fsync and close ``path`` (which must not be shared with readers yet)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        view = memoryview(data)
+        while view:
+            n = os.write(fd, view)
+            view = view[n:]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_replace_bytes(path: Path, data: bytes) -> None:
+    """Temp file + fsync + rename + fsync(dir): readers see the old or the new content."""
+    tmp = tmp_name(path)
+    try:
+        write_bytes_durable(tmp, data)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
+
+
+def dump_json(obj: Any) -> bytes:
+    return (json.dumps(obj, sort_keys=True, separators=(",", ":")) + "\n").encode()
+
+
+def atomic_replace_json(path: Path, obj: Any) -> None:
+    atomic_replace_bytes(path, dump_json(obj))
+
+
+def create_exclusive(path: Path, data: bytes) -> bool:
+    """Create ``path`` with ``data`` only if it does not exist (temp + link, durable).
+
+    Returns True if this call created it, False if it already existed. Never overwrites.
+    """
+    tmp = tmp_name(path, ".tmp-")
+    try:
+        write_bytes_durable(tmp, data)
+        try:
+            os.link(tmp, path)
+            created = True
+        except FileExistsError:
+            created = False
+    finally:
+        tmp.unlink(missing_ok=True)
+    fsync_dir(path.parent)
+    return created
+
+
+def read_json(path: Path) -> Any:
+    with open(path, "rb") as f:
+        return json.loads(f.read())

@@ -1,0 +1,153 @@
+"""Where every file lives (``docs/format.md`` §3–§5). Pure path arithmetic, no I/O."""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from opguard.errors import ConfigError
+from opguard.staging.config import StagingConfig, validate_node_id
+
+BUNDLES_DIRNAME = ".opguard-bundles"
+RANKS_DIRNAME = "ranks"
+NODES_DIRNAME = "nodes"
+NODE_COPY_DIRNAME = "_node"
+WRITER_TMP_PREFIX = ".opguard-tmp-"
+
+# Environment variables that carry the global rank, in precedence order: a torchrun worker's own
+# RANK first (the wrapper's OPGUARD_RANK describes the wrapper, not its workers), then what
+# opguard-run exported, then the launchers' native variables.
+RANK_VARIABLES = (
+    "RANK", "OPGUARD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK",
+    "MV2_COMM_WORLD_RANK", "SLURM_PROCID",
+)
+
+
+def rank_dirname(rank: int) -> str:
+    return f"rank-{rank:06d}"
+
+
+def rank_stream(rank: int) -> str:
+    return f"rank-{rank:06d}"
+
+
+def node_stream(node_id: str) -> str:
+    return f"node-{node_id}"
+
+
+def current_rank(env: Mapping[str, str] | None = None) -> int:
+    """The global rank of this process from the environment (0 for a lone process)."""
+    env = os.environ if env is None else env
+    for name in RANK_VARIABLES:
+        raw = env.get(name)
+        if raw is None or raw.strip() == "":
+            continue
+        try:
+            rank = int(raw)
+        except ValueError:
+            raise ConfigError(f"{name}={raw!r} is not an integer rank", f"unset {name} or fix the launcher") from None
+        if rank < 0:
+            raise ConfigError(f"{name}={raw!r} is negative", f"unset {name} or fix the launcher")
+        return rank
+    return 0
+
+
+def current_node_id(config: StagingConfig, env: Mapping[str, str] | None = None) -> str:
+    """OPGUARD_NODE_ID, else the scheduler's node name, else the hostname (validated)."""
+    env = os.environ if env is None else env
+    if config.node_id:
+        return config.node_id
+    for name in ("SLURMD_NODENAME",):
+        value = env.get(name, "").strip()
+        if value:
+            return validate_node_id(name, value)
+    host = socket.gethostname().split(".")[0]
+    return validate_node_id("hostname (set OPGUARD_NODE_ID to override)", host)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """All paths of one process's view of the run."""
+
+    config: StagingConfig
+
+    # ---- producers' side -------------------------------------------------------------------
+    def _root(self) -> Path:
+        if self.config.enabled:
+            assert self.config.local_base is not None
+            return self.config.local_base
+        if self.config.output_base is None:
+            raise ConfigError("OPGUARD_TRACE_OUTPUT_BASE is not set", "export OPGUARD_TRACE_OUTPUT_BASE=/absolute/path")
+        return self.config.output_base
+
+    def rank_dir(self, rank: int) -> Path:
+        return self._root() / RANKS_DIRNAME / rank_dirname(rank)
+
+    def node_dir(self, node_id: str) -> Path:
+        if self.config.enabled:
+            return self._root() / "node"
+        return self._root() / NODES_DIRNAME / node_id
+
+    # ---- uploader state (staging only) -----------------------------------------------------
+    @property
+    def state_dir(self) -> Path | None:
+        if not self.config.enabled:
+            return None
+        return self._root() / "state"
+
+    def _state(self) -> Path:
+        sd = self.state_dir
+        if sd is None:
+            raise ConfigError("local staging is not enabled", "export OPGUARD_LOCAL_DUMP_ENABLED=1")
+        return sd
+
+    @property
+    def run_file(self) -> Path:
+        return self._state() / "run.json"
+
+    @property
+    def locks_dir(self) -> Path:
+        return self._state() / "locks"
+
+    def stream_lock(self, stream: str) -> Path:
+        return self.locks_dir / f"stream-{stream}.lock"
+
+    @property
+    def node_upload_lock(self) -> Path:
+        return self.locks_dir / "node-upload.lock"
+
+    @property
+    def node_duty_lock(self) -> Path:
+        return self.locks_dir / "node-duty.lock"
+
+    def stream_state_dir(self, stream: str) -> Path:
+        return self._state() / "streams" / stream
+
+    # ---- shared target ---------------------------------------------------------------------
+    @property
+    def bundles_dir(self) -> Path | None:
+        if not self.config.enabled or self.config.target is None:
+            return None
+        return self.config.target / BUNDLES_DIRNAME
+
+    def as_dict(self, rank: int, node_id: str) -> dict[str, object]:
+        bd = self.bundles_dir
+        sd = self.state_dir
+        return {
+            "rank": rank,
+            "node_id": node_id,
+            "run_id": self.config.run_id,
+            "staging_enabled": self.config.enabled,
+            "rank_dir": str(self.rank_dir(rank)),
+            "node_dir": str(self.node_dir(node_id)),
+            "state_dir": str(sd) if sd else None,
+            "target": str(self.config.target) if self.config.target else None,
+            "bundles_dir": str(bd) if bd else None,
+            "output_base": str(self.config.output_base) if self.config.output_base else None,
+            "local_base": str(self.config.local_base) if self.config.local_base else None,
+            "rank_stream": rank_stream(rank),
+            "node_stream": node_stream(node_id),
+        }
