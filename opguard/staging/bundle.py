@@ -77,7 +77,7 @@ class BatchWriter:
         self.path = path
         self.manifest = dict(manifest)
         self.entries: list[dict[str, Any]] = []
-        self._f = open(path, "wb")
+        self._f = open(path, "wb")  # noqa: SIM115 - closed by finish()/abort()
         self._out = _HashingWriter(self._f)
         self._out.write(HEADER.pack(HEADER_MAGIC, FORMAT_VERSION, HEADER.size))
         cctx = zstandard.ZstdCompressor(level=ZSTD_LEVEL, write_checksum=True)
@@ -175,8 +175,8 @@ def read_manifest(path: Path) -> BatchInfo:
     if int(manifest.get("version", 0)) > FORMAT_VERSION:
         raise IdentityError(f"batch {path} manifest version {manifest.get('version')} is newer than {FORMAT_VERSION}",
                             "upgrade opguard to read it")
-    for e in manifest.get("entries", []):
-        check_relpath(e["path"])
+    for entry in manifest.get("entries", []):
+        check_relpath(entry["path"])
     return BatchInfo(path, manifest, hlen, plen, size)
 
 
