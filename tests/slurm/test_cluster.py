@@ -1,0 +1,50 @@
+"""The test cluster itself: several nodes, node-local /local-ssd, a torchrun job across nodes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .conftest import APPS, BIN, Cluster
+
+
+def test_sbatch_and_srun_reach_every_node(cluster: Cluster, workdir: Path) -> None:
+    script = workdir / "hostname.sbatch"
+    script.write_text("#!/bin/bash\nsrun hostname | sort\n")
+    job = cluster.wait(cluster.sbatch(script, "-N", "3", "--ntasks-per-node=2", "-t", "2",
+                                      "-o", str(workdir / "out-%j.txt")), timeout=60)
+    assert job.state == "COMPLETED", job.fields
+    lines = (workdir / f"out-{job.job_id}.txt").read_text().split()
+    assert lines == ["node1", "node1", "node2", "node2", "node3", "node3"]
+
+
+def test_local_ssd_is_node_local(cluster: Cluster, workdir: Path) -> None:
+    cmd = 'echo "$(hostname) $(cat /local-ssd/WHOAMI)" > /local-ssd/mark-$SLURM_JOB_ID; ls /local-ssd'
+    p = cluster.run(["srun", "-N", "3", "-t", "1", "--label", "bash", "-c", cmd])
+    for k in (1, 2, 3):
+        node = f"node{k}"
+        marks = sorted(cluster.local_ssd(node).glob("mark-*"))
+        assert len(marks) == 1, (node, marks)
+        assert marks[0].read_text() == f"{node} {node}\n"
+    # each node sees its own disk only: exactly one mark file listed per task
+    assert p.stdout.count("mark-") == 3, p.stdout
+    # and the root namespace does not see any node's /local-ssd content
+    assert not Path("/local-ssd/WHOAMI").exists()
+
+
+def test_torchrun_across_two_nodes(cluster: Cluster, workdir: Path) -> None:
+    script = workdir / "ddp.sbatch"
+    script.write_text(f"""#!/bin/bash
+set -e
+FIRST=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -1)
+PORT=$((29500 + SLURM_JOB_ID % 1000))
+srun -n "$SLURM_NNODES" --ntasks-per-node=1 {BIN}/torchrun --nnodes="$SLURM_NNODES" --nproc-per-node=2 \\
+  --rdzv-backend=c10d --rdzv-endpoint="$FIRST:$PORT" --rdzv-id="$SLURM_JOB_ID" {APPS}/ddp_check.py {workdir}
+""")
+    job = cluster.wait(cluster.sbatch(script, "-N", "2", "--ntasks-per-node=1", "-t", "3",
+                                      "-o", str(workdir / "out-%j.txt")), timeout=150)
+    assert job.state == "COMPLETED", (job.fields, (workdir / f"out-{job.job_id}.txt").read_text()[-3000:])
+    rows = sorted((workdir / f"rank{r}.txt").read_text().split() for r in range(4))
+    assert [r[:2] for r in rows] == [[str(r), "4"] for r in range(4)]
+    assert {r[2] for r in rows} == {"node1", "node2"}
+    assert all(r[3] == "6" for r in rows)  # 0+1+2+3
+    assert all(sorted(r[4].split(",")) == ["node1", "node1", "node2", "node2"] for r in rows)
