@@ -1,0 +1,492 @@
+"""The uploader: publish each stream's changes as batches (``docs/protocol.md``).
+
+:func:`sync_streams` is the library entry point behind ``opguard sync``. For each stream it
+takes the stream's local lock, checks identity against the target, publishes a pending batch
+left by an earlier sync first, and otherwise builds at most one new batch (periodic) or drains
+everything visible at its start and seals the stream (``final``).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import secrets
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import filelock
+
+from opguard.errors import ConfigError, IdentityError, LockTimeout, OpguardError, PublishError
+from opguard.staging.bundle import BatchWriter, batch_name, read_manifest
+from opguard.staging.checkpoint import Checkpoint, FileRecord, Pending, save_checkpoint, save_pending
+from opguard.staging.config import StagingConfig
+from opguard.staging.fsutil import create_exclusive, dump_json, fsync_dir, read_json
+from opguard.staging.layout import RANKS_DIRNAME, Layout, node_stream
+from opguard.staging.plan import Item, select_batch
+from opguard.staging.publish import Bucket, remove_stale_tmp, upload
+from opguard.staging.ratelimit import TokenBucket
+from opguard.staging.scan import Change, FileStat, detect, last_newline_end, tail_sha256, walk
+from opguard.staging.target import check_stream, ensure_target, staging_of
+from opguard.staging.writers import check_staging_usable
+
+TORN_RETRIES = 3
+_RANK_STREAM = re.compile(r"^rank-(\d{6,})$")
+
+Progress = Callable[[str], None]
+
+
+@dataclass
+class StreamReport:
+    stream: str
+    batches: int = 0
+    payload_bytes: int = 0
+    uploaded_bytes: int = 0
+    seconds: float = 0.0
+    backlog_bytes: int = 0
+    sealed: bool = False
+    error: str | None = None
+    exit_code: int = 0
+    warnings: list[str] = field(default_factory=list)
+
+    def fail(self, err: OpguardError) -> None:
+        """Record an error; the worst (highest) exit status wins."""
+        self.error = str(err) if self.error is None else f"{self.error}\n{err}"
+        self.exit_code = max(self.exit_code, err.exit_code)
+
+
+@dataclass
+class SyncReport:
+    final: bool
+    streams: list[StreamReport] = field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def exit_code(self) -> int:
+        return max((s.exit_code for s in self.streams), default=0)
+
+    @property
+    def batches(self) -> int:
+        return sum(s.batches for s in self.streams)
+
+    @property
+    def payload_bytes(self) -> int:
+        return sum(s.payload_bytes for s in self.streams)
+
+    @property
+    def uploaded_bytes(self) -> int:
+        return sum(s.uploaded_bytes for s in self.streams)
+
+    @property
+    def backlog_bytes(self) -> int:
+        return sum(s.backlog_bytes for s in self.streams)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"final": self.final, "seconds": self.seconds, "exit_code": self.exit_code,
+                "batches": self.batches, "payload_bytes": self.payload_bytes,
+                "uploaded_bytes": self.uploaded_bytes, "backlog_bytes": self.backlog_bytes,
+                "streams": [asdict(s) for s in self.streams]}
+
+
+class _Torn(Exception):
+    def __init__(self, path: str) -> None:
+        super().__init__(path)
+        self.path = path
+
+
+# ---- streams -------------------------------------------------------------------------------------
+
+def stream_root(layout: Layout, stream: str, node_id: str) -> tuple[Path, str, int | None]:
+    """(source directory, kind, rank) of a stream this node uploads."""
+    m = _RANK_STREAM.match(stream)
+    if m:
+        rank = int(m.group(1))
+        return layout.rank_dir(rank), "rank", rank
+    if stream == node_stream(node_id):
+        return layout.node_dir(node_id), "node", None
+    raise ConfigError(f"stream {stream!r} is neither rank-<R> nor this node's stream {node_stream(node_id)!r}",
+                      "sync --rank R, --node (this node only) or --all")
+
+
+def all_streams(config: StagingConfig, layout: Layout, node_id: str) -> list[str]:
+    """Every rank stream under the local base (or with uploader state) plus this node's stream
+    (when its directory or its state exists)."""
+    s = staging_of(config)
+    found: set[str] = set()
+    for d in (s.local_base / RANKS_DIRNAME, layout.stream_state_dir("x").parent):
+        try:
+            found.update(n for n in os.listdir(d) if _RANK_STREAM.match(n))
+        except FileNotFoundError:
+            pass
+    out = sorted(found)
+    ns = node_stream(node_id)
+    if layout.node_dir(node_id).is_dir() or layout.stream_state_dir(ns).is_dir():
+        out.append(ns)
+    return out
+
+
+# ---- building a batch ----------------------------------------------------------------------------
+
+@dataclass
+class _Ctx:
+    config: StagingConfig
+    layout: Layout
+    stream: str
+    node_id: str
+    root: Path
+    kind: str
+    rank: int | None
+    bucket: Bucket
+    progress: Progress
+    report: StreamReport
+
+    @property
+    def state(self) -> Path:
+        return self.layout.stream_state_dir(self.stream)
+
+    @property
+    def pending_dir(self) -> Path:
+        return self.state / "pending"
+
+    @property
+    def target_dir(self) -> Path:
+        return staging_of(self.config).bundles / "streams" / self.stream
+
+
+def _items(changes: Sequence[Change]) -> list[Item]:
+    return [Item(c.path, c.kind, c.size, c.first_record) for c in changes]
+
+
+def _add_file(w: BatchWriter, root: Path, c: Change, cp: Checkpoint) -> None:
+    try:
+        f = open(root / c.path, "rb")  # noqa: SIM115 (closed by the with below)
+    except FileNotFoundError:
+        raise _Torn(c.path) from None
+    with f:
+        before = FileStat.of(os.fstat(f.fileno()))
+        entry = {"op": "file", "path": c.path, "version": c.version, "offset": 0,
+                 "mode": before.mode, "mtime_ns": before.mtime_ns}
+        try:
+            w.add_stream(entry, f, before.size)
+        except OSError:
+            raise _Torn(c.path) from None
+        after = FileStat.of(os.fstat(f.fileno()))
+    if not after.same_identity(before) or not before.same_identity(FileStat.of(os.stat(root / c.path))):
+        raise _Torn(c.path)
+    cp.files[c.path] = FileRecord("file", c.version, before.dev, before.ino, before.size,
+                                  before.mtime_ns, before.ctime_ns)
+
+
+def _add_append(w: BatchWriter, root: Path, c: Change, nbytes: int, cp: Checkpoint) -> int:
+    try:
+        f = open(root / c.path, "rb")  # noqa: SIM115 (closed by the with below)
+    except FileNotFoundError:
+        raise _Torn(c.path) from None
+    with f:
+        fd = f.fileno()
+        s = FileStat.of(os.fstat(fd))
+        if (s.dev, s.ino) != (c.stat.dev, c.stat.ino) or s.size < c.end:
+            raise _Torn(c.path)
+        end = c.start + nbytes
+        if end < c.end:
+            end = last_newline_end(fd, c.start, end)
+        if end > c.start and os.pread(fd, 1, end - 1) != b"\n":
+            raise _Torn(c.path)
+        f.seek(c.start)
+        entry = {"op": "append", "path": c.path, "version": c.version, "offset": c.start,
+                 "mode": s.mode, "mtime_ns": s.mtime_ns}
+        try:
+            w.add_stream(entry, f, end - c.start)
+        except OSError:
+            raise _Torn(c.path) from None
+        tail = tail_sha256(fd, end)
+    # record the stat only when everything complete was taken; otherwise the next scan looks again
+    size = c.stat.size if end == c.end else end
+    cp.files[c.path] = FileRecord("append", c.version, s.dev, s.ino, size, c.stat.mtime_ns, c.stat.ctime_ns,
+                                  offset=end, tail_sha256=tail)
+    return end - c.start
+
+
+def _build(ctx: _Ctx, cp: Checkpoint, changes: list[Change], deleted: list[str], limit: int,
+           final: bool, exclude: set[str]) -> tuple[Pending | None, int]:
+    """Build and persist the next batch (pending/<name> + pending.json). Returns (pending, backlog)."""
+    use = [c for c in changes if c.path not in exclude]
+    plan = select_batch(_items(use), limit)
+    for it in plan.oversized:
+        ctx.report.fail(ConfigError(
+            f"{ctx.root / it.path}: a single JSON-lines record of {it.first_record} bytes exceeds "
+            f"OPGUARD_SYNC_BATCH_MB={limit >> 20} ({limit} bytes); this file is not uploaded",
+            f"raise OPGUARD_SYNC_BATCH_MB to at least {(it.first_record + (1 << 20) - 1) >> 20}, or write smaller "
+            "records"))
+    if not plan.takes and not deleted:
+        return None, plan.backlog_bytes
+    by_path = {c.path: c for c in use}
+    new = cp.copy()
+    new.next_sequence = cp.next_sequence + 1
+    manifest: dict[str, Any] = {
+        "run_id": cp.run_id, "stream": ctx.stream, "kind": ctx.kind, "rank": ctx.rank, "node_id": ctx.node_id,
+        "sequence": cp.next_sequence, "prev_digest": cp.head_digest, "final": final,
+        "created_at": time.time(), "deleted": deleted}
+    ctx.pending_dir.mkdir(parents=True, exist_ok=True)
+    build = ctx.pending_dir / f".build-{secrets.token_hex(6)}"
+    w = BatchWriter(build, manifest)
+    taken = 0
+    try:
+        for t in plan.takes:
+            c = by_path[t.item.path]
+            if c.kind == "file":
+                _add_file(w, ctx.root, c, new)
+                taken += c.size
+            else:
+                taken += _add_append(w, ctx.root, c, t.nbytes, new)
+        for p in deleted:
+            new.files[p].deleted = True
+        digest, size = w.finish()
+    except BaseException:
+        w.abort()
+        raise
+    name = batch_name(cp.next_sequence, digest)
+    new.head_digest = digest
+    os.rename(build, ctx.pending_dir / name)
+    fsync_dir(ctx.pending_dir)
+    pending = Pending(cp.next_sequence, name, digest, size, final, new)
+    save_pending(ctx.state / "pending.json", pending)  # the intent is durable before any upload
+    return pending, max(0, sum(c.size for c in use) - taken)
+
+
+def _clean_local(ctx: _Ctx, pending: Pending | None) -> None:
+    """Remove half-built batches and batch files no pending.json names."""
+    try:
+        names = os.listdir(ctx.pending_dir)
+    except FileNotFoundError:
+        return
+    for n in names:
+        if pending is None or n != pending.name:
+            (ctx.pending_dir / n).unlink(missing_ok=True)
+
+
+def _publish(ctx: _Ctx, pending: Pending) -> Checkpoint:
+    """Upload the pending batch, then advance the checkpoint and drop the local copy."""
+    src = ctx.pending_dir / pending.name
+    if not src.exists():
+        raise IdentityError(f"{ctx.state}/pending.json names {src}, which is missing",
+                            "restore the staging directory or choose a new run ID")
+    try:
+        lock = filelock.FileLock(os.fspath(ctx.layout.node_upload_lock), timeout=ctx.config.lock_timeout)
+        with lock:
+            copied = upload(src, ctx.target_dir, pending.name, pending.size, ctx.bucket)
+    except filelock.Timeout:
+        raise LockTimeout(
+            f"the node upload lock {ctx.layout.node_upload_lock} was held by another sync for more than "
+            f"OPGUARD_SYNC_LOCK_TIMEOUT={ctx.config.lock_timeout:g} s; batch {pending.name} stays pending",
+            "raise OPGUARD_SYNC_LOCK_TIMEOUT or OPGUARD_SYNC_MBPS, or lower OPGUARD_SYNC_BATCH_MB") from None
+    save_checkpoint(ctx.state / "checkpoint.json", pending.checkpoint)
+    _finish_pending(ctx, pending)
+    ctx.report.batches += 1
+    if copied:
+        ctx.report.uploaded_bytes += pending.size
+    return pending.checkpoint
+
+
+def _finish_pending(ctx: _Ctx, pending: Pending) -> None:
+    (ctx.state / "pending.json").unlink(missing_ok=True)
+    (ctx.pending_dir / pending.name).unlink(missing_ok=True)
+    fsync_dir(ctx.state)
+
+
+def _scan(ctx: _Ctx, cp: Checkpoint) -> tuple[list[Change], list[str]]:
+    w = walk(ctx.root)
+    for rel, what in sorted(w.skipped.items()):
+        if rel not in cp.skipped:
+            msg = f"skipping {what} {ctx.root / rel}: only regular files are uploaded"
+            ctx.report.warnings.append(msg)
+            ctx.progress(f"warning: {msg}")
+    if set(w.skipped) - set(cp.skipped):
+        cp.skipped = sorted(set(cp.skipped) | set(w.skipped))
+    return detect(ctx.root, cp.files, w)
+
+
+def _clip(changes: list[Change], visible: dict[str, Change]) -> list[Change]:
+    """For a final drain: only data that was visible when the drain started."""
+    out: list[Change] = []
+    for c in changes:
+        v = visible.get(c.path)
+        if v is None or v.version != c.version:
+            continue
+        if c.kind == "append":
+            end = min(c.end, v.end)
+            if end <= c.start and not c.new_version:
+                continue
+            first = min(c.first_record, end - c.start)
+            c = Change(c.path, c.kind, c.version, c.start, end, first, c.stat, c.new_version)
+        out.append(c)
+    return out
+
+
+def _one_batch(ctx: _Ctx, cp: Checkpoint, final: bool,
+               visible: dict[str, Change] | None) -> tuple[Pending | None, int, dict[str, Change]]:
+    """Scan, plan and build the next batch, retrying around files that change while read."""
+    torn: dict[str, int] = {}
+    exclude: set[str] = set()
+    while True:
+        changes, deleted = _scan(ctx, cp)
+        if visible is None:
+            visible = {c.path: c for c in changes}
+        else:
+            changes = _clip(changes, visible)
+        try:
+            pending, backlog = _build(ctx, cp, changes, deleted, ctx.config.batch_bytes, final, exclude)
+            return pending, backlog, visible
+        except _Torn as t:
+            torn[t.path] = torn.get(t.path, 0) + 1
+            if torn[t.path] >= TORN_RETRIES:
+                exclude.add(t.path)
+                ctx.report.fail(PublishError(
+                    f"{ctx.root / t.path} changed while being read ({TORN_RETRIES} attempts); it was not uploaded "
+                    "this time, to avoid publishing a torn copy",
+                    "producers must publish whole files by atomic rename (opguard.staging.writers.write_file_atomic)"
+                    " and JSON-lines files must only be appended to"))
+
+
+def _seal(ctx: _Ctx, cp: Checkpoint) -> Checkpoint:
+    last = cp.next_sequence - 1
+    if cp.sealed_sequence == last:
+        return cp
+    doc = {"version": 2, "stream": ctx.stream, "run_id": cp.run_id, "last_sequence": last,
+           "last_digest": cp.head_digest, "sealed_at": time.time(), "host": ctx.node_id}
+    path = ctx.target_dir / f"{last:012d}.seal"
+    try:
+        ctx.target_dir.mkdir(parents=True, exist_ok=True)
+        if not create_exclusive(path, dump_json(doc)):
+            existing = read_json(path)
+            if existing.get("last_digest") != cp.head_digest or existing.get("stream") != ctx.stream:
+                raise IdentityError(f"seal {path} names another batch than this stream's head {cp.head_digest}",
+                                    "two uploaders wrote one stream; use a new output directory")
+    except OSError as e:
+        raise PublishError(f"writing the seal {path} failed: {e.strerror or e}",
+                           "run the final sync again; the batches themselves are published") from None
+    new = cp.copy()
+    new.sealed_sequence = last
+    save_checkpoint(ctx.state / "checkpoint.json", new)
+    return new
+
+
+def _sync_stream(ctx: _Ctx, final: bool) -> None:
+    s = staging_of(ctx.config)
+    cp, pending = check_stream(ctx.config, ctx.layout, ctx.stream)
+    if cp is None:
+        if not ctx.root.is_dir():
+            raise ConfigError(f"nothing to sync for stream {ctx.stream}: {ctx.root} does not exist",
+                              "check --rank/OPGUARD_RANK and OPGUARD_LOCAL_DUMP_BASE (is this the right node?)")
+        cp = Checkpoint(s.run_id, ctx.stream, os.fspath(s.target))
+        ctx.state.mkdir(parents=True, exist_ok=True)
+        save_checkpoint(ctx.state / "checkpoint.json", cp)
+    ctx.target_dir.mkdir(parents=True, exist_ok=True)
+    remove_stale_tmp(ctx.target_dir)
+    if pending is not None and pending.sequence < cp.next_sequence:
+        _finish_pending(ctx, pending)  # crashed after the checkpoint advanced: already done
+        pending = None
+    _clean_local(ctx, pending)
+    if pending is not None:
+        payload = _payload_of(ctx, pending)
+        cp = _publish(ctx, pending)
+        ctx.report.payload_bytes += payload
+        if not final:
+            changes, _ = _scan(ctx, cp)
+            ctx.report.backlog_bytes = sum(c.size for c in changes)
+            return
+    visible: dict[str, Change] | None = None
+    while True:
+        pending, backlog, visible = _one_batch(ctx, cp, final, visible)
+        ctx.report.backlog_bytes = backlog
+        if pending is None:
+            break
+        payload = _payload_of(ctx, pending)
+        cp = _publish(ctx, pending)
+        ctx.report.payload_bytes += payload
+        if final:
+            ctx.progress(f"{ctx.stream}: published batch {pending.sequence} ({_fmt(payload)} payload, "
+                         f"{_fmt(pending.size)} compressed), {_fmt(backlog)} left")
+        else:
+            break
+    if not final and cp.skipped and not (ctx.state / "pending.json").exists():
+        save_checkpoint(ctx.state / "checkpoint.json", cp)
+    if final and ctx.report.exit_code == 0:
+        cp = _seal(ctx, cp)
+        ctx.report.sealed = True
+
+
+def _payload_of(ctx: _Ctx, pending: Pending) -> int:
+    """The payload bytes of a local batch (from its manifest)."""
+    path = ctx.pending_dir / pending.name
+    try:
+        return int(read_manifest(path).manifest.get("payload_size", 0))
+    except (OSError, OpguardError):
+        return 0
+
+
+def _fmt(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return f"{n:.1f} GiB"
+
+
+def format_bytes(n: float) -> str:
+    return _fmt(n)
+
+
+def sync_streams(config: StagingConfig, layout: Layout, streams: Sequence[str], *, final: bool = False,
+                 node_id: str, progress: Progress | None = None, bucket: Bucket | None = None) -> SyncReport:
+    """Sync each stream (periodic: at most one batch each; ``final``: drain and seal).
+
+    Errors are recorded per stream (``StreamReport.error``/``exit_code``) and never stop the
+    other streams; identity errors that concern the whole staging base apply to every stream.
+    """
+    t0 = time.monotonic()
+    say: Progress = progress or (lambda _msg: None)
+    report = SyncReport(final=final)
+    try:
+        check_staging_usable(config, layout)
+        ensure_target(config, layout, node_id)
+    except OpguardError as err:
+        for stream in streams:
+            sr = StreamReport(stream)
+            sr.fail(err)
+            report.streams.append(sr)
+        report.seconds = time.monotonic() - t0
+        return report
+    tb: Bucket = bucket if bucket is not None else TokenBucket(config.rate_bytes_per_s)
+    for stream in streams:
+        sr = StreamReport(stream)
+        report.streams.append(sr)
+        ts = time.monotonic()
+        try:
+            root, kind, rank = stream_root(layout, stream, node_id)
+            ctx = _Ctx(config, layout, stream, node_id, root, kind, rank, tb, say, sr)
+            layout.locks_dir.mkdir(parents=True, exist_ok=True)
+            lock = filelock.FileLock(os.fspath(layout.stream_lock(stream)), timeout=config.lock_timeout)
+            try:
+                lock.acquire()
+            except filelock.Timeout:
+                raise LockTimeout(
+                    f"another sync of stream {stream} held {layout.stream_lock(stream)} for more than "
+                    f"OPGUARD_SYNC_LOCK_TIMEOUT={config.lock_timeout:g} s; nothing was uploaded by this sync",
+                    "let the running sync finish (or raise OPGUARD_SYNC_LOCK_TIMEOUT); a lock timeout never "
+                    "starts a second upload") from None
+            try:
+                _sync_stream(ctx, final)
+            finally:
+                lock.release()
+        except OpguardError as err:
+            sr.fail(err)
+        except OSError as e:
+            sr.fail(PublishError(f"stream {stream}: {e.strerror or e} ({getattr(e, 'filename', None) or ''})",
+                                 "fix the file or directory named; nothing partial was published and the next "
+                                 "sync retries"))
+        sr.seconds = time.monotonic() - ts
+    report.seconds = time.monotonic() - t0
+    return report

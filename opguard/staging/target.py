@@ -1,0 +1,249 @@
+"""Run identity on the shared target, checked before the first upload (``docs/format.md`` §5).
+
+:func:`check_target` only reads (the launcher's preflight calls it); :func:`ensure_target` checks
+and then records the identity (``format.json`` on the target, ``state/run.json`` locally). On a
+refusal nothing is written anywhere.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from opguard.errors import ConfigError, IdentityError
+from opguard.staging.bundle import FORMAT_VERSION, parse_batch_name
+from opguard.staging.checkpoint import Checkpoint, Pending, load_checkpoint, load_pending
+from opguard.staging.config import StagingConfig
+from opguard.staging.fsutil import create_exclusive, dump_json, read_json
+from opguard.staging.layout import BUNDLES_DIRNAME, Layout
+
+LEGACY_SNAPSHOT = "sync.tar.gz"
+_V2_TOP = {"format.json", "nodes", "streams"}
+_SEAL_RE = re.compile(r"^(\d{12})\.seal$")
+NEW_RUN_FIX = "use a new output directory (OPGUARD_TRACE_OUTPUT_BASE / OPGUARD_LOCAL_DUMP_TARGET) or another run ID"
+
+
+@dataclass(frozen=True)
+class Staging:
+    local_base: Path
+    target: Path
+    run_id: str
+    bundles: Path
+
+
+def staging_of(config: StagingConfig) -> Staging:
+    local_base, target, run_id = config.require_staging()
+    return Staging(local_base, target, run_id, target / BUNDLES_DIRNAME)
+
+
+def stream_dir(config: StagingConfig, stream: str) -> Path:
+    return staging_of(config).bundles / "streams" / stream
+
+
+# ---- reading the target ------------------------------------------------------------------------
+
+def read_format(bundles: Path) -> dict[str, Any] | None:
+    path = bundles / "format.json"
+    try:
+        d = read_json(path)
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as e:
+        raise IdentityError(f"{path} is unreadable ({e})", NEW_RUN_FIX) from None
+    if not isinstance(d, dict) or d.get("format") != "opguard-bundles":
+        raise IdentityError(f"{path} is not an opguard target identity file", NEW_RUN_FIX)
+    return d
+
+
+def _check_format(path: Path, fmt: dict[str, Any], run_id: str) -> None:
+    version = fmt.get("version")
+    if not isinstance(version, int) or version > FORMAT_VERSION:
+        raise IdentityError(
+            f"{path} declares format version {version!r}; this opguard writes version {FORMAT_VERSION}",
+            "upgrade opguard, or use a new output directory for this run")
+    if fmt.get("run_id") != run_id:
+        raise IdentityError(
+            f"the target {path.parent.parent} holds run {fmt.get('run_id')!r}, not this run {run_id!r}",
+            "set OPGUARD_RUN_ID to the run that owns it to continue that run, or " + NEW_RUN_FIX)
+
+
+def find_legacy(target: Path) -> list[Path]:
+    """Legacy data under ``target``: ``sync.tar.gz`` snapshots and reference v1 bundle dirs."""
+    found: list[Path] = []
+    for dirpath, dirnames, filenames in os.walk(target):
+        if dirpath == os.fspath(target) and BUNDLES_DIRNAME in dirnames:
+            dirnames.remove(BUNDLES_DIRNAME)
+        if LEGACY_SNAPSHOT in filenames:
+            found.append(Path(dirpath) / LEGACY_SNAPSHOT)
+            if len(found) >= 3:
+                return found
+    bundles = target / BUNDLES_DIRNAME
+    try:
+        names = sorted(os.listdir(bundles))
+    except FileNotFoundError:
+        names = []
+    found += [bundles / n for n in names if n not in _V2_TOP and not n.startswith(".tmp-")][:3]
+    return found
+
+
+def _refuse_legacy(target: Path) -> None:
+    legacy = find_legacy(target)
+    if legacy:
+        raise IdentityError(
+            f"the target {target} holds data of an older opguard format (e.g. {legacy[0]}); "
+            "opguard will not mix batches into it",
+            "use a new output directory when migrating from the old snapshot format")
+
+
+def list_batches(sdir: Path) -> list[tuple[int, str]]:
+    """(sequence, digest) of every batch of a stream on the target, sorted."""
+    try:
+        names = os.listdir(sdir)
+    except FileNotFoundError:
+        return []
+    out = [p for n in names if (p := parse_batch_name(n)) is not None]
+    return sorted(out)
+
+
+def list_seals(sdir: Path) -> list[int]:
+    try:
+        names = os.listdir(sdir)
+    except FileNotFoundError:
+        return []
+    return sorted(int(m.group(1)) for n in names if (m := _SEAL_RE.match(n)))
+
+
+# ---- local run identity ------------------------------------------------------------------------
+
+def _read_run_file(layout: Layout) -> dict[str, Any] | None:
+    try:
+        d = read_json(layout.run_file)
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as e:
+        raise IdentityError(f"{layout.run_file} is unreadable ({e})",
+                            "restore the staging directory, or use a new OPGUARD_LOCAL_DUMP_BASE") from None
+    if not isinstance(d, dict):
+        raise IdentityError(f"{layout.run_file} is not a JSON object", "use a new OPGUARD_LOCAL_DUMP_BASE")
+    return d
+
+
+def _check_run_file(d: dict[str, Any], layout: Layout, s: Staging) -> None:
+    if int(d.get("version", 0)) > FORMAT_VERSION:
+        raise IdentityError(f"{layout.run_file} has version {d.get('version')}, newer than {FORMAT_VERSION}",
+                            "use the opguard version that wrote it")
+    if d.get("run_id") != s.run_id or d.get("target") != os.fspath(s.target):
+        raise IdentityError(
+            f"the staging directory {s.local_base} belongs to run {d.get('run_id')!r} with target "
+            f"{d.get('target')!r}, not run {s.run_id!r} with target {s.target}",
+            "let that run finish its final sync and remove its staging directory, or set OPGUARD_LOCAL_DUMP_BASE "
+            "to a fresh node-local directory for this run")
+
+
+def check_local_run(config: StagingConfig, layout: Layout) -> bool:
+    """Refuse a staging base that belongs to another run; True if ``run.json`` already exists."""
+    s = staging_of(config)
+    d = _read_run_file(layout)
+    if d is None:
+        return False
+    _check_run_file(d, layout, s)
+    return True
+
+
+# ---- one stream ---------------------------------------------------------------------------------
+
+def check_stream(config: StagingConfig, layout: Layout, stream: str) -> tuple[Checkpoint | None, Pending | None]:
+    """Local checkpoint and pending intent of ``stream``, checked against the target; read-only."""
+    s = staging_of(config)
+    sd = layout.stream_state_dir(stream)
+    cp = load_checkpoint(sd / "checkpoint.json")
+    pending = load_pending(sd / "pending.json")
+    tdir = s.bundles / "streams" / stream
+    batches = list_batches(tdir)
+    seqs = [b[0] for b in batches]
+    if len(set(seqs)) != len(seqs):
+        raise IdentityError(f"the target stream {tdir} holds two different batches with one sequence number",
+                            "two uploaders wrote one stream (duplicate node ID or run ID?); " + NEW_RUN_FIX)
+    if cp is None:
+        if pending is not None:
+            raise IdentityError(f"{sd}/pending.json exists but {sd}/checkpoint.json is missing",
+                                "restore the staging directory or choose a new run ID")
+        if batches or list_seals(tdir):
+            raise IdentityError(
+                f"stream {stream} already has {len(batches)} batch(es) on the target {tdir} but no local "
+                f"checkpoint in {sd}: continuing would fork its history",
+                "restore the staging directory or choose a new run ID")
+        return None, None
+    if cp.run_id != s.run_id or cp.target != os.fspath(s.target) or cp.stream != stream:
+        raise IdentityError(
+            f"checkpoint {sd}/checkpoint.json is for run {cp.run_id!r}, target {cp.target!r}, stream {cp.stream!r}",
+            "restore the matching staging directory, or use a fresh OPGUARD_LOCAL_DUMP_BASE for this run")
+    expected = (cp.next_sequence - 1, cp.head_digest)
+    head = batches[-1] if batches else (0, None)
+    ok = head == expected
+    if not ok and pending is not None and pending.sequence == cp.next_sequence:
+        ok = head == (pending.sequence, pending.digest)  # our own pending batch, published before a crash
+    if not ok:
+        raise IdentityError(
+            f"stream {stream}: the target {tdir} ends at batch {head[0]} ({head[1]}) but the local checkpoint "
+            f"expects batch {expected[0]} ({expected[1]}): the target was changed by someone else or the "
+            "checkpoint is stale",
+            "restore the staging directory that matches this target, or choose a new run ID and output directory")
+    return cp, pending
+
+
+# ---- whole-target checks ------------------------------------------------------------------------
+
+def check_target(config: StagingConfig, layout: Layout, streams: Sequence[str]) -> None:
+    """Every identity check, reading only: target format and run, legacy data, the local run
+    file and each stream's checkpoint against the target. Raises IdentityError / ConfigError."""
+    s = staging_of(config)
+    if not s.target.is_dir():
+        raise ConfigError(f"OPGUARD_LOCAL_DUMP_TARGET={s.target} does not exist or is not a directory",
+                          f"create it (mkdir -p {s.target}) or fix OPGUARD_LOCAL_DUMP_TARGET")
+    fmt = read_format(s.bundles)
+    if fmt is not None:
+        _check_format(s.bundles / "format.json", fmt, s.run_id)
+    _refuse_legacy(s.target)
+    check_local_run(config, layout)
+    for stream in streams:
+        check_stream(config, layout, stream)
+
+
+def ensure_target(config: StagingConfig, layout: Layout, node_id: str) -> None:
+    """Check the target's identity and record it (``format.json``, ``state/run.json``).
+
+    Per-stream checks happen under each stream's lock (:func:`check_stream`). The legacy scan
+    walks the target only when this node first joins the run or the target is new.
+    """
+    s = staging_of(config)
+    if not s.target.is_dir():
+        raise ConfigError(f"OPGUARD_LOCAL_DUMP_TARGET={s.target} does not exist or is not a directory",
+                          f"create it (mkdir -p {s.target}) or fix OPGUARD_LOCAL_DUMP_TARGET")
+    has_run = check_local_run(config, layout)
+    fmt = read_format(s.bundles)
+    if fmt is not None:
+        _check_format(s.bundles / "format.json", fmt, s.run_id)
+    if fmt is None or not has_run:
+        _refuse_legacy(s.target)
+    # every check passed: record the identity
+    if fmt is None:
+        (s.bundles / "streams").mkdir(parents=True, exist_ok=True)
+        doc = {"format": "opguard-bundles", "version": FORMAT_VERSION, "run_id": s.run_id,
+               "created_at": time.time(), "created_by": node_id}
+        if not create_exclusive(s.bundles / "format.json", dump_json(doc)):
+            fmt = read_format(s.bundles)  # another node won the race
+            assert fmt is not None
+            _check_format(s.bundles / "format.json", fmt, s.run_id)
+    if not has_run:
+        layout.locks_dir.mkdir(parents=True, exist_ok=True)
+        doc = {"version": FORMAT_VERSION, "run_id": s.run_id, "target": os.fspath(s.target),
+               "created_at": time.time()}
+        if not create_exclusive(layout.run_file, json.dumps(doc, sort_keys=True).encode() + b"\n"):
+            check_local_run(config, layout)
