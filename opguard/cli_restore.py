@@ -1,0 +1,68 @@
+"""``opguard materialize`` and ``opguard verify`` (restore side of ``docs/format.md`` §8–§9)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import click
+
+from opguard.cli import handle_errors, main
+from opguard.errors import OpguardError
+
+
+def _summary(report: object) -> str:
+    from opguard.staging.restore import VerifyReport
+
+    assert isinstance(report, VerifyReport)
+    counts = ", ".join(f"{len(report.with_status(s))} {s}" for s in ("sealed", "unsealed", "damaged"))
+    return (f"{report.format}: {len(report.streams)} stream(s) ({counts}), {report.batches} batch(es), "
+            f"{report.files} file(s), {report.bytes} bytes")
+
+
+@main.command("materialize")
+@click.argument("source", type=click.Path(path_type=Path))
+@click.argument("dest", type=click.Path(path_type=Path))
+@click.option("--require-sealed", is_flag=True, help="fail (exit 5) if any stream is unsealed")
+@handle_errors
+def materialize_cmd(source: Path, dest: Path, require_sealed: bool) -> None:
+    """Restore SOURCE (a run's shared output) into DEST, which must not exist.
+
+    Every batch is verified; DEST appears complete or not at all. Prints DEST on stdout.
+    """
+    from opguard.staging.restore import materialize
+
+    report = materialize(source, dest, require_sealed=require_sealed)
+    click.echo(f"opguard: restored {_summary(report)} into {report.dest}", err=True)
+    click.echo(report.dest)
+
+
+@main.command("verify")
+@click.argument("source", type=click.Path(path_type=Path))
+@click.option("--require-sealed", is_flag=True, help="fail (exit 5) if any stream is unsealed")
+@click.option("--json", "as_json", is_flag=True, help="print the report as JSON on stdout")
+@handle_errors
+def verify_cmd(source: Path, require_sealed: bool, as_json: bool) -> None:
+    """Check everything published under SOURCE without writing anything.
+
+    Exit 0 when all published data is intact (unsealed streams are reported), 5 naming the
+    damaged (or, with --require-sealed, unsealed) streams, 6 for a newer format.
+    """
+    from opguard.staging.restore import DamagedSource, VerifyReport, verify
+
+    report: VerifyReport | None = None
+    error: OpguardError | None = None
+    try:
+        report = verify(source, require_sealed=require_sealed)
+    except DamagedSource as e:
+        report, error = e.report, e
+    if as_json:
+        click.echo(report.to_json())
+    else:
+        for sr in report.streams:
+            line = f"{sr.status:9} {sr.stream}: {sr.batches} batch(es), {sr.files} file(s), {sr.bytes} bytes"
+            click.echo(line + (f" -- {sr.error}" if sr.error else ""))
+        click.echo(_summary(report))
+    sys.stdout.flush()
+    if error is not None:
+        raise error
