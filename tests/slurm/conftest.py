@@ -183,7 +183,7 @@ def cluster() -> Iterator[Cluster]:
 @pytest.fixture
 def workdir(cluster: Cluster, request: pytest.FixtureRequest) -> Path:
     """A fresh directory on the shared filesystem for one test."""
-    name = request.node.name.replace("[", "-").replace("]", "").replace("/", "-")
+    name = str(request.node.name).replace("[", "-").replace("]", "").replace("/", "-")
     d = cluster.shared / name
     if d.exists():
         shutil.rmtree(d)
