@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+from dataclasses import dataclass
 
 JITTER_FRACTION = 0.05  # of one node's slot (interval / node_count)
 
@@ -63,4 +64,118 @@ def ideal_peak_in_flight(node_count: int, upload_s: float, interval: float) -> i
 
 def warning_seconds(pending_bytes: float, cap_mib_s: float, margin: float = 1.5, floor: float = 30.0) -> int:
     """The ``--signal=B:USR1@N`` warning time to request for a drain of ``pending_bytes``."""
-    return int(math.ceil(max(floor, margin * drain_seconds(pending_bytes, cap_mib_s))))
+    return math.ceil(max(floor, margin * drain_seconds(pending_bytes, cap_mib_s)))
+
+
+# ---- cluster sizing: the numbers `docs/sizing.md` derives and `bench/simulate_cluster.py` checks ----
+
+MIB = 2**20
+OPS_PER_BATCH = 2  # one create (the hidden .tmp-* file) + one rename (publication)
+OPS_PER_SEAL = 2  # one create (temporary) + one link (create-if-absent publication)
+
+
+def upload_seconds_per_interval(node_bytes_per_s: float, interval: float, cap_mib_s: float) -> float:
+    """t_upload: how long a node's upload of one interval's worth of new data takes at the cap."""
+    return upload_seconds(node_bytes_per_s * interval, cap_mib_s)
+
+
+def mean_in_flight(node_count: int, upload_s: float, interval: float) -> float:
+    """N · t_upload / interval, at most N: the time-averaged number of node uploads in flight."""
+    return min(float(node_count), node_count * upload_s / interval)
+
+
+def backlog_growth_bytes_per_s(node_bytes_per_s: float, interval: float, batch_bytes: float, cap_mib_s: float,
+                               streams: int = 1) -> float:
+    """How fast a node's unpublished data grows when periodic syncs cannot keep up (0 when they can).
+
+    A periodic sync publishes at most one batch per stream, one upload at a time at the cap, so a
+    node publishes at most ``min(streams · batch, cap · interval)`` per interval.
+    """
+    capacity = min(streams * batch_bytes, cap_mib_s * MIB * interval) / interval
+    return max(0.0, node_bytes_per_s - capacity)
+
+
+def worst_case_backlog_bytes(node_bytes_per_s: float, interval: float, batch_bytes: float, cap_mib_s: float,
+                             streams: int = 1, elapsed_s: float = 0.0) -> float:
+    """Unpublished data a node can hold when its final drain starts: one full interval of new data
+    (the drain may start just before the next periodic sync); if the periodic syncs fall behind,
+    also what accumulated over ``elapsed_s`` seconds and the batch still in flight (the node is
+    then always uploading, and a batch counts as published only once renamed)."""
+    growth = backlog_growth_bytes_per_s(node_bytes_per_s, interval, batch_bytes, cap_mib_s, streams)
+    in_flight = batch_bytes if growth > 0 else 0.0
+    return node_bytes_per_s * interval + growth * elapsed_s + in_flight
+
+
+def metadata_ops_per_minute(node_count: int, streams_per_node: int, interval: float) -> float:
+    """Creates + renames per minute on the target in steady state: every stream with new data
+    publishes one batch per interval, each one create and one rename."""
+    return OPS_PER_BATCH * node_count * streams_per_node * 60.0 / interval
+
+
+@dataclass(frozen=True)
+class ClusterSizing:
+    """The derived numbers for N nodes × R ranks at a given data rate (``docs/sizing.md``)."""
+
+    node_count: int
+    ranks_per_node: int
+    node_bytes_per_s: float  # new data per node (all its ranks plus node metadata)
+    interval: float
+    batch_bytes: float
+    cap_mib_s: float
+    job_seconds: float
+    kill_wait: float
+
+    @property
+    def streams_per_node(self) -> int:
+        return self.ranks_per_node + 1  # one stream per rank plus the node's metadata stream
+
+    @property
+    def upload_s(self) -> float:
+        return upload_seconds_per_interval(self.node_bytes_per_s, self.interval, self.cap_mib_s)
+
+    @property
+    def keeps_up(self) -> bool:
+        return backlog_growth_bytes_per_s(self.node_bytes_per_s, self.interval, self.batch_bytes,
+                                          self.cap_mib_s, self.streams_per_node) == 0.0
+
+    @property
+    def ideal_peak_in_flight(self) -> int:
+        return ideal_peak_in_flight(self.node_count, min(self.upload_s, self.interval), self.interval)
+
+    @property
+    def mean_in_flight(self) -> float:
+        return mean_in_flight(self.node_count, min(self.upload_s, self.interval), self.interval)
+
+    @property
+    def aggregate_bytes_per_s(self) -> float:
+        """Steady-state aggregate upload rate on the shared filesystem."""
+        growth = backlog_growth_bytes_per_s(self.node_bytes_per_s, self.interval, self.batch_bytes,
+                                            self.cap_mib_s, self.streams_per_node)
+        return self.node_count * (self.node_bytes_per_s - growth)
+
+    @property
+    def drain_aggregate_bytes_per_s(self) -> float:
+        """Aggregate rate while every node drains at once (all nodes get SIGTERM together)."""
+        return self.node_count * self.cap_mib_s * MIB
+
+    @property
+    def metadata_ops_per_minute(self) -> float:
+        return metadata_ops_per_minute(self.node_count, self.ranks_per_node, self.interval)
+
+    @property
+    def worst_backlog_bytes(self) -> float:
+        return worst_case_backlog_bytes(self.node_bytes_per_s, self.interval, self.batch_bytes,
+                                        self.cap_mib_s, self.streams_per_node, self.job_seconds)
+
+    @property
+    def worst_drain_s(self) -> float:
+        return drain_seconds(self.worst_backlog_bytes, self.cap_mib_s)
+
+    @property
+    def drain_fits_kill_wait(self) -> bool:
+        return self.worst_drain_s <= self.kill_wait
+
+    @property
+    def warning_s(self) -> int:
+        """The ``--signal=B:USR1@N`` warning to request so the worst-case drain finishes in time."""
+        return warning_seconds(self.worst_backlog_bytes, self.cap_mib_s)
