@@ -24,7 +24,7 @@ from opguard.staging.bundle import BatchWriter, batch_name, read_manifest
 from opguard.staging.checkpoint import Checkpoint, FileRecord, Pending, save_checkpoint, save_pending
 from opguard.staging.config import StagingConfig
 from opguard.staging.fsutil import create_exclusive, dump_json, fsync_dir, read_json
-from opguard.staging.layout import RANKS_DIRNAME, Layout, node_stream
+from opguard.staging.layout import NODE_COPY_DIRNAME, RANKS_DIRNAME, WRITER_TMP_PREFIX, Layout, node_stream
 from opguard.staging.plan import Item, select_batch
 from opguard.staging.publish import Bucket, remove_stale_tmp, upload
 from opguard.staging.ratelimit import TokenBucket
@@ -52,7 +52,9 @@ class StreamReport:
     warnings: list[str] = field(default_factory=list)
 
     def fail(self, err: OpguardError) -> None:
-        """Record an error; the worst (highest) exit status wins."""
+        """Record an error (once); the worst (highest) exit status wins."""
+        if self.error is not None and str(err) in self.error:
+            return
         self.error = str(err) if self.error is None else f"{self.error}\n{err}"
         self.exit_code = max(self.exit_code, err.exit_code)
 
@@ -173,8 +175,8 @@ def _add_file(w: BatchWriter, root: Path, c: Change, cp: Checkpoint) -> None:
         except OSError:
             raise _Torn(c.path) from None
         after = FileStat.of(os.fstat(f.fileno()))
-    if not after.same_identity(before) or not before.same_identity(FileStat.of(os.stat(root / c.path))):
-        raise _Torn(c.path)
+    if not after.same_identity(before):
+        raise _Torn(c.path)  # changed while being read (a path replaced by rename is fine: new version next)
     cp.files[c.path] = FileRecord("file", c.version, before.dev, before.ino, before.size,
                                   before.mtime_ns, before.ctime_ns)
 
@@ -257,7 +259,10 @@ def _build(ctx: _Ctx, cp: Checkpoint, changes: list[Change], deleted: list[str],
 
 
 def _clean_local(ctx: _Ctx, pending: Pending | None) -> None:
-    """Remove half-built batches and batch files no pending.json names."""
+    """Remove half-built batches, batch files no pending.json names and stale JSON temporaries."""
+    for n in os.listdir(ctx.state):
+        if n.startswith(WRITER_TMP_PREFIX):
+            (ctx.state / n).unlink(missing_ok=True)
     try:
         names = os.listdir(ctx.pending_dir)
     except FileNotFoundError:
@@ -298,6 +303,15 @@ def _finish_pending(ctx: _Ctx, pending: Pending) -> None:
 
 def _scan(ctx: _Ctx, cp: Checkpoint) -> tuple[list[Change], list[str]]:
     w = walk(ctx.root)
+    if ctx.kind == "rank":
+        reserved = sorted(p for p in w.files if p.split("/", 1)[0] == NODE_COPY_DIRNAME)
+        for p in reserved:
+            del w.files[p]
+        if reserved:
+            ctx.report.fail(ConfigError(
+                f"{ctx.root / reserved[0]} (and {len(reserved) - 1} more) is under {NODE_COPY_DIRNAME}/, which a "
+                "restore reserves for the node's metadata; it is not uploaded",
+                f"write node metadata with write_node_file(), or rename the {NODE_COPY_DIRNAME} directory"))
     for rel, what in sorted(w.skipped.items()):
         if rel not in cp.skipped:
             msg = f"skipping {what} {ctx.root / rel}: only regular files are uploaded"

@@ -18,7 +18,7 @@ from typing import Any
 from opguard.errors import ConfigError
 from opguard.staging.config import StagingConfig
 from opguard.staging.fsutil import fsync_dir, tmp_name
-from opguard.staging.layout import WRITER_TMP_PREFIX, Layout, current_node_id, current_rank
+from opguard.staging.layout import NODE_COPY_DIRNAME, WRITER_TMP_PREFIX, Layout, current_node_id, current_rank
 
 JSONL_SUFFIXES = (".jsonl", ".ndjson")
 
@@ -222,17 +222,25 @@ def node_dir(env: Mapping[str, str] | None = None) -> Path:
     return d
 
 
+def _rank_relpath(relpath: str | os.PathLike[str]) -> str:
+    rel = check_relpath(relpath)
+    if rel.split("/", 1)[0] == NODE_COPY_DIRNAME:
+        raise ConfigError(f"trace path {rel!r} is under {NODE_COPY_DIRNAME}/, which a restore reserves for the "
+                          "node's metadata", "write node metadata with write_node_file(), or choose another directory")
+    return rel
+
+
 def open_jsonl(relpath: str | os.PathLike[str], rank: int | None = None, env: Mapping[str, str] | None = None,
                *, fsync: bool = False, rotate_bytes: int | None = None) -> JsonlWriter:
     """A :class:`JsonlWriter` for ``relpath`` under this rank's directory."""
-    rel = check_relpath(relpath)
+    rel = _rank_relpath(relpath)
     return JsonlWriter(rank_dir(rank, env) / rel, fsync=fsync, rotate_bytes=rotate_bytes)
 
 
 def write_rank_file(relpath: str | os.PathLike[str], data: bytes | bytearray | memoryview,
                     rank: int | None = None, env: Mapping[str, str] | None = None) -> Path:
     """Atomically write a whole file (tensor, callsite, ...) under this rank's directory."""
-    rel = check_relpath(relpath)
+    rel = _rank_relpath(relpath)
     return write_file_atomic(rank_dir(rank, env) / rel, data)
 
 

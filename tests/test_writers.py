@@ -1,0 +1,133 @@
+"""Producers' writers: whole records only, atomic files, and no fallback when staging is broken."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from opguard.errors import ConfigError
+from opguard.staging.writers import (
+    JsonlWriter,
+    open_jsonl,
+    segment_path,
+    write_file_atomic,
+    write_node_file,
+    write_rank_file,
+)
+
+
+def test_jsonl_records_are_whole_lines_appended(tmp_path: Path) -> None:
+    p = tmp_path / "a" / "trace.jsonl"
+    with JsonlWriter(p, fsync=True) as w:
+        w.write({"x": 1, "s": "line\nbreak"})
+        w.write_line(b'{"raw":true}\n')
+        w.flush()
+    with JsonlWriter(p) as w:  # reopening appends
+        w.write([1, 2])
+    lines = p.read_bytes().split(b"\n")
+    assert lines[-1] == b"" and len(lines) == 4
+    assert json.loads(lines[0]) == {"x": 1, "s": "line\nbreak"}
+    assert json.loads(lines[2]) == [1, 2]
+
+
+@pytest.mark.parametrize("bad", [b"no newline", b"two\nrecords\n", b"double\n\n", b""])
+def test_write_line_refuses_anything_but_one_record(tmp_path: Path, bad: bytes) -> None:
+    with JsonlWriter(tmp_path / "t.jsonl") as w, pytest.raises(ValueError):
+        w.write_line(bad)
+    assert (tmp_path / "t.jsonl").read_bytes() == b""
+
+
+def test_jsonl_writer_refuses_other_names(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="JSON-lines"):
+        JsonlWriter(tmp_path / "t.json")
+
+
+def test_rotation_uses_segment_files_and_resumes(tmp_path: Path) -> None:
+    p = tmp_path / "events.ndjson"
+    w = JsonlWriter(p, rotate_bytes=30)
+    for i in range(6):
+        w.write({"i": i, "pad": "xxxxxxxx"})
+    w.close()
+    segs = sorted(tmp_path.iterdir())
+    assert [s.name for s in segs] == ["events.000001.ndjson", "events.000002.ndjson", "events.000003.ndjson",
+                                      "events.000004.ndjson", "events.000005.ndjson", "events.ndjson"]
+    assert all(s.read_bytes().count(b"\n") == 1 for s in segs)
+    w = JsonlWriter(p)
+    assert w.current_path == segment_path(p, 5)
+    assert w.rotate() == tmp_path / "events.000006.ndjson"
+    w.close()
+    assert (tmp_path / "events.000006.ndjson").exists()
+
+
+def test_write_file_atomic_leaves_no_temporary(tmp_path: Path) -> None:
+    p = write_file_atomic(tmp_path / "d" / "t.pt", b"one")
+    write_file_atomic(p, b"two")
+    assert p.read_bytes() == b"two"
+    assert [x.name for x in p.parent.iterdir()] == ["t.pt"]
+
+
+def test_write_file_atomic_failure_leaves_old_content_and_no_temporary(tmp_path: Path) -> None:
+    p = write_file_atomic(tmp_path / "t.pt", b"old")
+    (tmp_path / "sub").mkdir()
+    with pytest.raises(OSError):
+        write_file_atomic(tmp_path / "sub", b"x")  # the final name is a directory: rename fails
+    assert p.read_bytes() == b"old"
+    assert sorted(x.name for x in tmp_path.iterdir()) == ["sub", "t.pt"]
+
+
+@pytest.mark.parametrize("rel", ["../x.jsonl", "/abs.jsonl", "a//b.jsonl", "a/./b.jsonl", "",
+                                 ".opguard-tmp-x.jsonl", "_node/x.jsonl"])
+def test_relative_paths_are_validated(staging_env: dict[str, str], rel: str) -> None:
+    with pytest.raises(ConfigError) as ei:
+        open_jsonl(rel, rank=0, env=staging_env)
+    assert ei.value.fix
+    assert not (Path(staging_env["OPGUARD_LOCAL_DUMP_BASE"]) / "ranks").exists()
+
+
+def test_helpers_write_under_the_rank_and_node_dirs(staging_env: dict[str, str]) -> None:
+    env = {**staging_env, "RANK": "5"}
+    base = Path(env["OPGUARD_LOCAL_DUMP_BASE"])
+    with open_jsonl("logs/trace.jsonl", env=env) as w:
+        w.write({"a": 1})
+    assert (base / "ranks/rank-000005/logs/trace.jsonl").read_bytes() == b'{"a":1}\n'
+    assert write_rank_file("t/x.pt", b"T", rank=2, env=env) == base / "ranks/rank-000002/t/x.pt"
+    assert write_node_file("topo.json", b"{}", env=env) == base / "node/topo.json"
+    assert (base / "state").is_dir()
+    target = Path(env["OPGUARD_LOCAL_DUMP_TARGET"])
+    assert list(target.iterdir()) == []  # nothing on shared storage
+
+
+def test_staging_disabled_writes_the_output_base(staging_env: dict[str, str]) -> None:
+    env = {**staging_env, "OPGUARD_LOCAL_DUMP_ENABLED": "0"}
+    out = Path(env["OPGUARD_TRACE_OUTPUT_BASE"])
+    write_rank_file("x.bin", b"x", rank=3, env=env)
+    assert (out / "ranks/rank-000003/x.bin").read_bytes() == b"x"
+    write_node_file("n.json", b"{}", env=env)
+    assert (out / "nodes/node-a/n.json").read_bytes() == b"{}"
+
+
+def _broken(env: dict[str, str], how: str) -> dict[str, str]:
+    base = Path(env["OPGUARD_LOCAL_DUMP_BASE"])
+    if how == "missing":
+        base.rmdir()
+    elif how == "not-a-directory":
+        base.rmdir()
+        base.write_bytes(b"")
+    elif how == "no-state-dir":
+        (base / "state").write_bytes(b"a file where the state dir belongs")
+    return env
+
+
+@pytest.mark.parametrize("how", ["missing", "not-a-directory", "no-state-dir"])
+def test_broken_staging_never_falls_back_to_shared_storage(staging_env: dict[str, str], how: str) -> None:
+    env = _broken(staging_env, how)
+    target = Path(env["OPGUARD_LOCAL_DUMP_TARGET"])
+    for call in (lambda: open_jsonl("t.jsonl", rank=0, env=env), lambda: write_rank_file("x", b"x", 0, env),
+                 lambda: write_node_file("x", b"x", env)):
+        with pytest.raises(ConfigError) as ei:
+            call()
+        assert "OPGUARD_LOCAL_DUMP_BASE" in str(ei.value) or "state" in ei.value.message
+        assert ei.value.fix
+    assert list(target.iterdir()) == []
