@@ -35,6 +35,13 @@ if [ -f "$BASE/run/netns-mount-created" ] && [ -z "$(ls -A /run/netns 2>/dev/nul
   mountpoint -q /run/netns || { rmdir /run/netns 2>/dev/null; rm -f "$BASE/run/netns-mount-created"; }
 fi
 rm -f "$BASE"/run/*.pid
+# proctrack/cgroup: the per-node cgroup trees slurmd made (empty once their processes are gone)
+if [ -n "$(ls -d /sys/fs/cgroup/*/slurm_node[0-9]* 2>/dev/null)" ]; then
+  for _ in $(seq 50); do
+    find /sys/fs/cgroup/*/slurm_node[0-9]* -depth -type d -exec rmdir {} + 2>/dev/null
+    [ -z "$(ls -d /sys/fs/cgroup/*/slurm_node[0-9]* 2>/dev/null)" ] && break; sleep 0.02
+  done
+fi
 
 # ---------- verify ----------
 left=()
@@ -43,6 +50,7 @@ ip link show "$BR" >/dev/null 2>&1 && left+=("bridge $BR")
 ip route show | grep -q "^unreachable ${NET}.0/24" && left+=("route unreachable ${NET}.0/24")
 ip route show | grep -q "${NET}.0/24 dev" && left+=("route ${NET}.0/24")
 grep -qE " /local-ssd | /run/netns/ogt-" /proc/self/mountinfo && left+=("mounts: $(grep -E ' /local-ssd | /run/netns/ogt-' /proc/self/mountinfo | awk '{print $5}' | tr '\n' ' ')")
+[ -z "$(ls -d /sys/fs/cgroup/*/slurm_node[0-9]* 2>/dev/null)" ] || left+=("cgroups: $(ls -d /sys/fs/cgroup/*/slurm_node[0-9]* | tr '\n' ' ')")
 [ -f "$BASE/run/netns-mount-created" ] && left+=("mount /run/netns")
 [ -f "$BASE/run/local-ssd-created" ] && left+=("directory /local-ssd")
 if [ -s "$BASE/run/netns-inodes" ]; then   # any process still living in one of our (deleted) namespaces

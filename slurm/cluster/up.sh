@@ -16,7 +16,8 @@
 # cluster left behind by a killed run never gets in the way.
 #
 # Usage: slurm/cluster/up.sh [N]      (N nodes, default 3; env: OPGUARD_TEST_CLUSTER = base dir,
-#        KILLWAIT = Slurm's KillWait seconds, default 10)
+#        KILLWAIT = Slurm's KillWait seconds, default 10; PROCTRACK = linuxproc (default) or cgroup:
+#        proctrack/cgroup, the common production setting, on the cgroup v1 freezer hierarchy)
 # Then:  export SLURM_CONF=$BASE/etc/slurm.conf     (printed on the last line)
 # Stop:  slurm/cluster/down.sh
 set -euo pipefail
@@ -26,6 +27,7 @@ BASE=${OPGUARD_TEST_CLUSTER:-/tmp/opguard-test-cluster}
 NET=10.213.0
 BR=ogtbr0
 KILLWAIT=${KILLWAIT:-10}
+PROCTRACK=${PROCTRACK:-linuxproc}
 T0=$(date +%s%N)
 log() { echo "[up $(( ($(date +%s%N) - T0) / 1000000 )) ms] $*" >&2; }
 die() { echo "up.sh: error: $*" >&2; exit 1; }
@@ -36,6 +38,11 @@ for b in slurmctld slurmd munged munge ip nsenter unshare setpriv scontrol sinfo
 done
 case "$N" in ''|*[!0-9]*) die "N=$N is not a node count; fix: pass 1..9";; esac
 [ "$N" -ge 1 ] && [ "$N" -le 9 ] || die "N=$N out of range; fix: pass 1..9"
+case "$PROCTRACK" in
+  linuxproc) ;;
+  cgroup) [ -d /sys/fs/cgroup/freezer ] || die "PROCTRACK=cgroup needs the cgroup v1 freezer hierarchy at /sys/fs/cgroup/freezer";;
+  *) die "PROCTRACK=$PROCTRACK; fix: linuxproc or cgroup";;
+esac
 case "$BASE" in /*) ;; *) die "OPGUARD_TEST_CLUSTER=$BASE is not absolute";; esac
 
 "$HERE/down.sh" >/dev/null 2>&1 || true     # whatever a killed run left behind
@@ -104,7 +111,7 @@ SlurmctldLogFile=$BASE/log/slurmctld.log
 SlurmdLogFile=$BASE/log/slurmd-%n.log
 SlurmctldDebug=info
 SlurmdDebug=info
-ProctrackType=proctrack/linuxproc
+ProctrackType=proctrack/$PROCTRACK
 TaskPlugin=task/none
 JobAcctGatherType=jobacct_gather/none
 AccountingStorageType=accounting_storage/none
@@ -124,6 +131,12 @@ SlurmdTimeout=60
 MessageTimeout=10
 MailProg=/bin/true
 CONF
+if [ "$PROCTRACK" = cgroup ]; then   # each slurmd makes /sys/fs/cgroup/<ss>/slurm_<node>/...; down.sh removes them
+  printf 'CgroupPlugin=cgroup/v1\nCgroupMountpoint=/sys/fs/cgroup\nCgroupAutomount=no\nConstrainCores=no\nConstrainRAMSpace=no\nConstrainDevices=no\n' > "$BASE/etc/cgroup.conf"
+else
+  rm -f "$BASE/etc/cgroup.conf"
+fi
+echo "$PROCTRACK" > "$BASE/run/proctrack"
 for k in $(seq 1 "$N"); do
   echo "NodeName=node$k NodeAddr=${NET}.$((10 + k)) CPUs=4 RealMemory=2000 State=UNKNOWN" >> "$BASE/etc/slurm.conf"
 done

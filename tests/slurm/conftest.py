@@ -1,8 +1,10 @@
 """A real multi-node Slurm cluster (slurm/cluster/up.sh) for the tests in this directory.
 
-The session fixture ``cluster`` brings the cluster up once (3 nodes, KillWait 10 s) and always
+The session fixture ``cluster_manager`` brings the cluster up on first use (3 nodes, KillWait
+10 s; ``cluster`` with proctrack/linuxproc, ``cgroup_cluster`` with proctrack/cgroup) and always
 tears it down (slurm/cluster/down.sh), even when a test fails or the run is interrupted; the
-teardown fails the session if anything (process, namespace, bridge, mount, route) is left behind.
+teardown fails the session if anything (process, namespace, bridge, mount, route, cgroup) is
+left behind. Start-up times are appended to $BASE/startup-seconds.log.
 Every test here is marked ``slurm`` and skips with a reason when the machine cannot run the
 cluster (not root, slurm-wlm or munge missing); under CI=true a skip fails the suite.
 """
@@ -157,34 +159,74 @@ def wait_for(predicate: object, timeout: float, what: str, interval: float = 0.1
         time.sleep(interval)
 
 
-@pytest.fixture(scope="session")
-def cluster() -> Iterator[Cluster]:
-    reason = missing_reason()
-    if reason:
-        pytest.skip(reason)
-    env = dict(os.environ, OPGUARD_TEST_CLUSTER=str(BASE), KILLWAIT=str(KILLWAIT))
-    t0 = time.monotonic()
-    try:
-        up = subprocess.run([str(CLUSTER_DIR / "up.sh"), str(NODES)], env=env, capture_output=True, text=True,
-                            timeout=120)
+class ClusterManager:
+    """Starts the cluster on first use and restarts it when a test needs another proctrack plugin
+    (linuxproc: every process of a step is signalled; cgroup: the production setting)."""
+
+    def __init__(self) -> None:
+        self.current: Cluster | None = None
+        self.proctrack: str | None = None
+        self.startups: list[float] = []
+
+    def _script(self, name: str, env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([str(CLUSTER_DIR / name), *args], env=env, capture_output=True, text=True, timeout=120)
+
+    def env(self, proctrack: str = "linuxproc") -> dict[str, str]:
+        return dict(os.environ, OPGUARD_TEST_CLUSTER=str(BASE), KILLWAIT=str(KILLWAIT), PROCTRACK=proctrack)
+
+    def ensure(self, proctrack: str) -> Cluster:
+        if self.current is not None and self.proctrack == proctrack:
+            return self.current
+        if self.current is not None:
+            self.down()
+        t0 = time.monotonic()
+        up = self._script("up.sh", self.env(proctrack), str(NODES))
         startup = time.monotonic() - t0
         if up.returncode != 0:
             raise AssertionError(f"slurm/cluster/up.sh failed (rc {up.returncode}):\n{up.stderr}")
-        c = Cluster(BASE, NODES, KILLWAIT, startup)
-        (c.base / "run" / "startup-seconds").write_text(f"{startup:.3f}\n")
-        print(f"\nslurm test cluster: {NODES} nodes up in {startup:.2f} s", file=sys.stderr)
-        yield c
-    finally:
-        down = subprocess.run([str(CLUSTER_DIR / "down.sh")], env=env, capture_output=True, text=True, timeout=120)
+        self.startups.append(startup)
+        self.current, self.proctrack = Cluster(BASE, NODES, KILLWAIT, startup), proctrack
+        with open(BASE / "startup-seconds.log", "a") as f:
+            f.write(f"{proctrack} {startup:.3f}\n")
+        print(f"\nslurm test cluster ({proctrack}): {NODES} nodes up in {startup:.2f} s", file=sys.stderr)
+        return self.current
+
+    def down(self) -> None:
+        self.current = self.proctrack = None
+        down = self._script("down.sh", self.env())
         if down.returncode != 0:
             raise AssertionError(f"slurm/cluster/down.sh left something behind:\n{down.stderr}")
 
 
+@pytest.fixture(scope="session")
+def cluster_manager() -> Iterator[ClusterManager]:
+    reason = missing_reason()
+    if reason:
+        pytest.skip(reason)
+    mgr = ClusterManager()
+    try:
+        yield mgr
+    finally:
+        mgr.down()  # always, even when a test failed; fails the session if anything is left behind
+
+
 @pytest.fixture
-def workdir(cluster: Cluster, request: pytest.FixtureRequest) -> Path:
+def cluster(cluster_manager: ClusterManager) -> Cluster:
+    """The running cluster with proctrack/linuxproc (started on first use)."""
+    return cluster_manager.ensure("linuxproc")
+
+
+@pytest.fixture
+def cgroup_cluster(cluster_manager: ClusterManager) -> Cluster:
+    """The running cluster with proctrack/cgroup (restarted if the other plugin was running)."""
+    return cluster_manager.ensure("cgroup")
+
+
+@pytest.fixture
+def workdir(cluster_manager: ClusterManager, request: pytest.FixtureRequest) -> Path:
     """A fresh directory on the shared filesystem for one test."""
     name = str(request.node.name).replace("[", "-").replace("]", "").replace("/", "-")
-    d = cluster.shared / name
+    d = BASE / "shared" / name
     if d.exists():
         shutil.rmtree(d)
     d.mkdir(parents=True)
