@@ -1,0 +1,149 @@
+"""``opguard-run [OPTIONS] COMMAND...`` (and ``opguard plan COMMAND...``): the launcher wrapper's CLI.
+
+A thin click layer: preflight and plan come from ``opguard.launcher.preflight``/``plan``, the
+supervision from ``opguard.launcher.supervise``. Messages go to stderr; the child's stdout and
+stderr are inherited untouched.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+
+import click
+
+from opguard.cli import main
+from opguard.errors import ConfigError
+from opguard.launcher.mounts import MOUNTINFO
+
+DEFAULT_FORWARD = "TERM,INT,HUP,QUIT,USR2"
+
+
+def parse_signal(name: str, what: str) -> signal.Signals:
+    raw = name.strip().upper()
+    if raw.isdigit():
+        try:
+            return signal.Signals(int(raw))
+        except ValueError:
+            pass
+    key = raw if raw.startswith("SIG") else "SIG" + raw
+    try:
+        return signal.Signals[key]
+    except KeyError:
+        raise ConfigError(f"{what}: {name!r} is not a signal name", "use names like TERM, USR1, USR2") from None
+
+
+def parse_signals(spec: str, what: str) -> list[signal.Signals]:
+    if spec.strip().lower() in ("", "none"):
+        return []
+    sigs = [parse_signal(s, what) for s in spec.split(",") if s.strip()]
+    bad = [s.name for s in sigs if s in (signal.SIGKILL, signal.SIGSTOP, signal.SIGCHLD)]
+    if bad:
+        raise ConfigError(f"{what}: {', '.join(bad)} cannot be caught or forwarded", "remove it from the list")
+    return sigs
+
+
+@click.command("opguard-run", context_settings={"help_option_names": ["-h", "--help"],
+                                                "ignore_unknown_options": True,
+                                                "allow_interspersed_args": False})
+@click.option("--plan", "plan_only", is_flag=True,
+              help="print the resolved plan and every problem, then exit (0 ok, 2 problems)")
+@click.option("--json", "as_json", is_flag=True, help="with --plan: print the plan as JSON on stdout")
+@click.option("--quiet", "-q", is_flag=True, help="only errors and the final drain result")
+@click.option("--verbose", "-v", is_flag=True, help="more detail (sync commands, signals)")
+@click.option("--forward-signals", default=DEFAULT_FORWARD, show_default=True,
+              help="signals forwarded to the child's process group ('none' to forward nothing)")
+@click.option("--warning-signal", default="USR1", show_default=True,
+              help="signal that starts the final drain early ('none' to disable); consumed unless "
+              "--forward-warning")
+@click.option("--forward-warning", is_flag=True, help="also forward the warning signal to the child")
+@click.option("--kill-grace", type=float, default=20.0, show_default=True,
+              help="seconds after a forwarded SIGTERM (or the child's exit) before the child's tree is "
+              "SIGKILLed")
+@click.option("--drain-timeout", type=float, default=None,
+              help="give up on the final drain after this many seconds (default: no limit)")
+@click.option("--report-json", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="where to write the run report (default: <local base>/state/launcher/<stream>.json)")
+@click.option("--no-countdown", is_flag=True, help="do not poll the scheduler for the job's end time")
+@click.option("--mountinfo", type=click.Path(dir_okay=False, path_type=Path), default=MOUNTINFO, hidden=True,
+              help="mount table to read (tests)")
+@click.argument("command", nargs=-1, type=click.UNPROCESSED, required=True)
+def run_command(command: tuple[str, ...], plan_only: bool, as_json: bool, quiet: bool, verbose: bool,
+                forward_signals: str, warning_signal: str, forward_warning: bool, kill_grace: float,
+                drain_timeout: float | None, report_json: Path | None, no_countdown: bool,
+                mountinfo: Path) -> None:
+    """Run COMMAND under opguard: identity, preflight, periodic syncs, signal forwarding, final drain.
+
+    \b
+    Examples:
+      srun opguard-run torchrun --nnodes=$SLURM_NNODES --nproc-per-node=4 ... train.py
+      mpirun opguard-run python app.py
+      opguard-run --plan python app.py
+    """
+    from opguard.cli import fail
+    from opguard.errors import OpguardError
+
+    try:
+        code = _run(list(command), plan_only, as_json, quiet, verbose, forward_signals, warning_signal,
+                    forward_warning, kill_grace, drain_timeout, report_json, no_countdown, mountinfo)
+    except OpguardError as err:
+        fail(err)
+        return
+    sys.exit(code)
+
+
+def _run(cmd: list[str], plan_only: bool, as_json: bool, quiet: bool, verbose: bool, forward_signals: str,
+         warning_signal: str, forward_warning: bool, kill_grace: float, drain_timeout: float | None,
+         report_json: Path | None, no_countdown: bool, mountinfo: Path) -> int:
+    from opguard.launcher.plan import build_plan, render
+    from opguard.launcher.preflight import run_preflight
+
+    forward = parse_signals(forward_signals, "--forward-signals")
+    warn = parse_signals(warning_signal, "--warning-signal")
+    if len(warn) > 1:
+        raise ConfigError(f"--warning-signal={warning_signal!r} names more than one signal", "name one signal")
+    if kill_grace < 0:
+        raise ConfigError(f"--kill-grace={kill_grace} is negative", "pass seconds >= 0")
+    pf = run_preflight(cmd, os.environ, mountinfo=mountinfo)
+    plan = build_plan(pf, cmd)
+    if plan_only:
+        if as_json:
+            click.echo(json.dumps(plan, indent=1, sort_keys=True, default=str))
+        click.echo(render(plan), err=True)
+        return 0 if pf.ok else 2
+    if not pf.ok:
+        click.echo(render(plan) if verbose else _problems_text(plan), err=True)
+        click.echo("opguard-run: refusing to start the command (exit 2); nothing was written to shared storage",
+                   err=True)
+        return 2
+    from opguard.launcher.supervise import Options, run
+
+    opts = Options(forward=forward, warning=warn[0] if warn else None, forward_warning=forward_warning,
+                   kill_grace=kill_grace, drain_timeout=drain_timeout, report_json=report_json,
+                   quiet=quiet, verbose=verbose, countdown=not no_countdown)
+    if verbose:
+        click.echo(render(plan), err=True)
+    return run(cmd, pf, plan, opts)
+
+
+def _problems_text(plan: dict[str, object]) -> str:
+    problems = plan["problems"]
+    assert isinstance(problems, list)
+    lines = [f"opguard-run: {len(problems)} problem(s) before start:"]
+    for p in problems:
+        lines.append(f"  - {p['message']}")
+        if p["fix"]:
+            lines.append(f"      fix: {p['fix']}")
+    return "\n".join(lines)
+
+
+@main.command("plan", context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
+@click.option("--json", "as_json", is_flag=True, help="print the plan as JSON on stdout")
+@click.argument("command", nargs=-1, type=click.UNPROCESSED, required=True)
+def plan_cmd(command: tuple[str, ...], as_json: bool) -> None:
+    """Same as ``opguard-run --plan COMMAND...``: print the plan, exit 0 or 2 listing every problem."""
+    args = ["--plan", *(["--json"] if as_json else []), *command]
+    run_command.main(args=args, prog_name="opguard plan")

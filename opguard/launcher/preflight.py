@@ -1,0 +1,166 @@
+"""Every check before the child starts, collected (not stopped at the first problem).
+
+Nothing here writes to shared storage; the node claim is only *read* (``claim.py`` creates it
+after every check has passed). Problems are :class:`~opguard.errors.ConfigError` s (exit 2).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import tempfile
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from opguard.errors import ConfigError, OpguardError
+from opguard.launcher.claim import claim_problem
+from opguard.launcher.identity import Identity, resolve
+from opguard.launcher.mounts import MOUNTINFO, filesystem_of, is_network_fstype
+from opguard.staging.config import StagingConfig
+from opguard.staging.layout import Layout, node_stream, rank_stream
+from opguard.staging.target import check_target as uploader_check
+
+_VAR_RE = re.compile(r"^(OPGUARD_[A-Z_]+)")
+# Required variables: a problem with one of these cannot be worked around to look further.
+_REQUIRED = {"OPGUARD_LOCAL_DUMP_TARGET", "OPGUARD_LOCAL_DUMP_BASE", "OPGUARD_TRACE_OUTPUT_BASE",
+             "OPGUARD_LOCAL_DUMP_ENABLED"}
+
+
+@dataclass
+class Preflight:
+    """The outcome: config (None when it could not be built), identity, and every problem."""
+
+    config: StagingConfig | None
+    identity: Identity
+    problems: list[ConfigError] = field(default_factory=list)
+    local_fstype: str | None = None
+    free_bytes: int | None = None
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+def load_config(env: Mapping[str, str]) -> tuple[StagingConfig | None, list[ConfigError]]:
+    """Build the config, collecting one problem per bad optional variable (each is then defaulted)."""
+    work = dict(env)
+    problems: list[ConfigError] = []
+    for _ in range(16):
+        try:
+            return StagingConfig.from_env(work), problems
+        except ConfigError as e:
+            problems.append(e)
+            m = _VAR_RE.match(e.message)
+            var = m.group(1) if m else None
+            if var is None or var in _REQUIRED or var not in work:
+                return None, problems
+            del work[var]  # look past it: the default stands in while we check the rest
+    return None, problems
+
+
+def _probe_writable(base: Path) -> str | None:
+    try:
+        fd, name = tempfile.mkstemp(prefix=".opguard-tmp-preflight-", dir=base)
+    except OSError as e:
+        return e.strerror or str(e)
+    os.close(fd)
+    os.unlink(name)
+    return None
+
+
+def check_local_base(config: StagingConfig, mountinfo: Path = MOUNTINFO) -> tuple[list[ConfigError], str | None,
+                                                                                   int | None]:
+    """Missing, unwritable, network filesystem, out of space (free < one batch)."""
+    base = config.local_base
+    assert base is not None
+    problems: list[ConfigError] = []
+    if not base.is_dir():
+        problems.append(ConfigError(
+            f"OPGUARD_LOCAL_DUMP_BASE={base} does not exist or is not a directory",
+            f"create it on node-local disk before the job (mkdir -p {base}); opguard never falls back to "
+            "writing shared storage directly"))
+        return problems, None, None
+    err = _probe_writable(base)
+    if err is not None:
+        problems.append(ConfigError(f"OPGUARD_LOCAL_DUMP_BASE={base} is not writable: {err}",
+                                    "fix its permissions or point OPGUARD_LOCAL_DUMP_BASE at a writable "
+                                    "node-local directory"))
+    mount = filesystem_of(base, mountinfo)
+    fstype = mount.fstype if mount else None
+    if mount is not None and is_network_fstype(mount.fstype):
+        problems.append(ConfigError(
+            f"OPGUARD_LOCAL_DUMP_BASE={base} is on a {mount.fstype} filesystem ({mount.source} mounted at "
+            f"{mount.mount_point}): staging must be node-local, or every node shares one staging area and "
+            "small files hit shared storage after all",
+            "point OPGUARD_LOCAL_DUMP_BASE at node-local disk (local SSD, /tmp, /dev/shm)"))
+    st = os.statvfs(base)
+    free = st.f_bavail * st.f_frsize
+    if free < config.batch_bytes:
+        problems.append(ConfigError(
+            f"OPGUARD_LOCAL_DUMP_BASE={base} has {free / 2**20:.1f} MiB free, less than one batch "
+            f"(OPGUARD_SYNC_BATCH_MB={config.batch_bytes // 2**20})",
+            "free space on the node-local disk, choose another OPGUARD_LOCAL_DUMP_BASE, or lower "
+            "OPGUARD_SYNC_BATCH_MB"))
+    return problems, fstype, free
+
+
+def owned_streams(identity: Identity) -> list[str]:
+    """The streams this wrapper uploads that are known before the child starts."""
+    ranks = identity.owned_ranks() or []
+    streams = [rank_stream(r) for r in ranks]
+    if identity.node_duty:
+        streams.append(node_stream(identity.node_id))
+    return streams
+
+
+def check_target(config: StagingConfig, layout: Layout, streams: Sequence[str], local_ok: bool = True,
+                 ) -> list[ConfigError]:
+    """Run-identity problems of the target and the local state (read-only), via the uploader's own check."""
+    if not local_ok:
+        streams = []  # the local base is unusable: only the target's identity can be checked
+    try:
+        uploader_check(config, layout, list(streams))
+    except OpguardError as e:
+        return [ConfigError(e.message, e.fix)]
+    return []
+
+
+def check_command(cmd: Sequence[str], env: Mapping[str, str]) -> list[ConfigError]:
+    if not cmd:
+        return [ConfigError("no command to run", "opguard-run [OPTIONS] COMMAND [ARGS...]")]
+    exe = cmd[0]
+    found = exe if os.sep in exe else shutil.which(exe, path=env.get("PATH", os.defpath))
+    if found is None or not os.path.isfile(found) or not os.access(found, os.X_OK):
+        return [ConfigError(f"command {exe!r} not found or not executable (PATH={env.get('PATH', '')})",
+                            "check the command name, PATH, or the virtualenv of the job")]
+    return []
+
+
+def run_preflight(cmd: Sequence[str], env: Mapping[str, str] | None = None, *, mountinfo: Path = MOUNTINFO,
+                  hostname: str | None = None) -> Preflight:
+    """All checks of ``opguard-run`` / ``--plan``; nothing is written to shared storage."""
+    env = os.environ if env is None else env
+    identity, id_problems = resolve(env, cmd, hostname)
+    config, problems = load_config(env)
+    pf = Preflight(config, identity, [*problems, *id_problems])
+    pf.problems.extend(check_command(cmd, env))
+    if config is not None and config.enabled:
+        _staging_checks(pf, config, mountinfo)
+    unique: dict[str, ConfigError] = {}
+    for p in pf.problems:  # one variable can fail two checks with one message
+        unique.setdefault(p.message, p)
+    pf.problems = list(unique.values())
+    return pf
+
+
+def _staging_checks(pf: Preflight, config: StagingConfig, mountinfo: Path) -> None:
+    identity = pf.identity
+    layout = Layout(config)
+    local, pf.local_fstype, pf.free_bytes = check_local_base(config, mountinfo)
+    pf.problems.extend(local)
+    pf.problems.extend(check_target(config, layout, owned_streams(identity), local_ok=not local))
+    claim = claim_problem(config, identity.node_id)
+    if claim is not None:
+        pf.problems.append(claim)

@@ -1,0 +1,191 @@
+"""Syncs as child processes of the wrapper: ``opguard sync ...`` at low CPU and I/O priority.
+
+Never inside the training processes and never importing torch: each sync is a separate
+``python -c 'opguard.cli.main()' sync ...`` process. One sync at a time per wrapper; a failed
+sync is reported on stderr and retried at the next interval, never fatal to the job.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from opguard.launcher.identity import Identity
+from opguard.staging.config import MIB
+
+_ENTRY = "import sys; sys.argv[0] = 'opguard'; from opguard.cli import main; main()"
+
+
+def sync_argv(identity: Identity, final: bool, report: Path) -> list[str]:
+    """The ``opguard sync`` command for the streams this wrapper owns."""
+    args = [sys.executable, "-c", _ENTRY, "sync"]
+    ranks = identity.owned_ranks()
+    if ranks is None:
+        args.append("--all")
+    else:
+        for r in ranks:
+            args += ["--rank", str(r)]
+        if identity.node_duty:
+            args.append("--node")
+    if final:
+        args.append("--final")
+    args += ["--report-json", str(report), "--quiet"]
+    return args
+
+
+def lower_priority(pid: int) -> None:
+    """nice 19 and idle I/O class (best-effort class, lowest level, where idle is refused)."""
+    try:
+        p = psutil.Process(pid)
+        p.nice(19)
+        try:
+            p.ionice(psutil.IOPRIO_CLASS_IDLE)
+        except (psutil.AccessDenied, OSError):
+            p.ionice(psutil.IOPRIO_CLASS_BE, value=7)
+    except (psutil.NoSuchProcess, psutil.AccessDenied, OSError, AttributeError):
+        pass  # the sync still runs; priority is an optimisation
+
+
+def fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{int(n)} B" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"
+
+
+@dataclass
+class SyncResult:
+    """One finished sync: exit status, the sync's own JSON report (if written) and its stderr tail."""
+
+    number: int
+    final: bool
+    exit_code: int
+    seconds: float
+    report: dict[str, Any] | None
+    stderr_tail: str
+
+    @property
+    def ok(self) -> bool:
+        return self.exit_code == 0
+
+    def line(self) -> str:
+        """The one stderr line per sync."""
+        kind = "final drain" if self.final else f"sync #{self.number}"
+        r = self.report or {}
+        batches = int(r.get("batches", 0))
+        up = float(r.get("uploaded_bytes", 0))
+        backlog = float(r.get("backlog_bytes", 0))
+        rate = up / self.seconds / MIB if self.seconds > 0 else 0.0
+        head = (f"opguard-run: {kind} {'ok' if self.ok else f'FAILED (exit {self.exit_code})'}: {batches} batch(es), "
+                f"{fmt_bytes(up)} in {self.seconds:.1f} s ({rate:.1f} MiB/s), backlog {fmt_bytes(backlog)}")
+        if self.final and self.ok:
+            sealed = sum(1 for s in r.get("streams", []) if s.get("sealed"))
+            head += f", {sealed} stream(s) sealed"
+        if not self.ok:
+            errors = [s.get("error") for s in r.get("streams", []) if s.get("error")]
+            why = (errors[0] if errors else self.stderr_tail.strip().splitlines()[-1:] or ["no output"])
+            why_s = why if isinstance(why, str) else " ".join(why)
+            head += f"; {why_s.splitlines()[0]}" + ("" if self.final else "; retrying at the next interval")
+        return head
+
+
+@dataclass
+class RunningSync:
+    number: int
+    final: bool
+    proc: subprocess.Popen[bytes]
+    started: float
+    report_path: Path
+    stderr_path: Path
+
+
+@dataclass
+class Sidecar:
+    """Starts and collects syncs; the supervisor's event loop decides when."""
+
+    identity: Identity
+    env: dict[str, str]
+    workdir: Path
+    verbose: bool = False
+    say: Callable[[str], None] = lambda _m: None
+    running: RunningSync | None = None
+    results: list[SyncResult] = field(default_factory=list)
+    count: int = 0
+
+    def start(self, final: bool) -> RunningSync:
+        assert self.running is None
+        self.count += 1
+        report = Path(tempfile.mkstemp(prefix=f"sync-{self.count}-", suffix=".json", dir=self.workdir)[1])
+        report.unlink()
+        errpath = self.workdir / f"sync-{self.count}.stderr"
+        argv = sync_argv(self.identity, final, report)
+        if self.verbose:
+            self.say("opguard-run: starting " + " ".join(argv[3:]))
+        with open(errpath, "wb") as err:
+            proc = subprocess.Popen(argv, env=self.env, stdin=subprocess.DEVNULL, stdout=err, stderr=err,
+                                    start_new_session=True)
+        lower_priority(proc.pid)
+        self.running = RunningSync(self.count, final, proc, time.monotonic(), report, errpath)
+        return self.running
+
+    def poll(self) -> SyncResult | None:
+        """Collect the running sync if it has finished."""
+        r = self.running
+        if r is None or r.proc.poll() is None:
+            return None
+        return self._collect(r)
+
+    def _collect(self, r: RunningSync) -> SyncResult:
+        code = r.proc.returncode
+        code = 128 - code if code < 0 else code
+        try:
+            report = json.loads(r.report_path.read_bytes())
+        except (OSError, ValueError):
+            report = None
+        try:
+            tail = r.stderr_path.read_bytes()[-4000:].decode(errors="replace")
+        except OSError:
+            tail = ""
+        for p in (r.report_path, r.stderr_path):
+            p.unlink(missing_ok=True)
+        res = SyncResult(r.number, r.final, code, time.monotonic() - r.started, report, tail)
+        self.results.append(res)
+        self.running = None
+        return res
+
+    def stop(self, grace: float = 5.0) -> SyncResult | None:
+        """Terminate a running sync (its durable state makes that safe), then collect it."""
+        r = self.running
+        if r is None:
+            return None
+        if r.proc.poll() is None:
+            r.proc.terminate()
+            try:
+                r.proc.wait(grace)
+            except subprocess.TimeoutExpired:
+                r.proc.kill()
+                r.proc.wait()
+        return self._collect(r)
+
+    @property
+    def pid(self) -> int | None:
+        return self.running.proc.pid if self.running else None
+
+
+def node_env(base: dict[str, str], cap_mib_s: float) -> dict[str, str]:
+    """The syncs' environment: the wrapper's, with the effective per-node cap."""
+    env = dict(base)
+    env["OPGUARD_SYNC_MBPS"] = f"{cap_mib_s:.6g}"
+    env.pop("PYTHONSTARTUP", None)
+    env.setdefault("PYTHONDONTWRITEBYTECODE", "1")
+    return env

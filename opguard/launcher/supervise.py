@@ -1,0 +1,424 @@
+"""Run the child: own process group, signal forwarding, periodic syncs, final drain, exit code.
+
+One single-threaded event loop waits (``selectors``) on the child's pidfd, the running sync's
+pidfd and a signal wake-up pipe, with timers for the next periodic sync, the scheduler
+countdown, the tree refresh and the kill deadline. Facts it is built on (see
+``../shared/recipes/slurm-in-namespaces/README.md``): Slurm signals only what srun started and
+SIGKILLs after KillWait; torchrun exits 1 on SIGTERM, dies on SIGUSR1 and orphans workers that
+run in their own session. Hence: forward to the child's process group, start the final drain
+at once on SIGTERM, consume the warning signal, and track descendants by pid (the wrapper is a
+child subreaper, so orphans stay in its tree) to terminate, then kill, whatever is left.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import selectors
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import psutil
+
+from opguard.launcher import countdown
+from opguard.launcher.plan import effective_cap, stagger
+from opguard.launcher.preflight import Preflight
+from opguard.launcher.report import RunReport, default_report_path, write_report
+from opguard.launcher.sidecar import Sidecar, SyncResult, node_env
+
+PR_SET_PDEATHSIG = 1
+PR_SET_CHILD_SUBREAPER = 36
+TREE_REFRESH_S = 1.0
+
+
+@dataclass
+class Options:
+    forward: list[signal.Signals]
+    warning: signal.Signals | None
+    forward_warning: bool = False
+    kill_grace: float = 20.0
+    drain_timeout: float | None = None
+    report_json: Path | None = None
+    quiet: bool = False
+    verbose: bool = False
+    countdown: bool = True
+
+
+def _prctl(option: int, arg: int) -> bool:
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return int(libc.prctl(option, arg, 0, 0, 0)) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def _child_preexec() -> None:  # runs in the child between fork and exec
+    _prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM))
+
+
+def exit_status(returncode: int) -> int:
+    """The child's exact code, or 128+signal for a signal death (never 0 on a signal)."""
+    return 128 - returncode if returncode < 0 else returncode
+
+
+@dataclass
+class Tree:
+    """Every descendant of the wrapper seen so far (pid, create time), except its syncs."""
+
+    seen: dict[int, float] = field(default_factory=dict)
+
+    def refresh(self, exclude: set[int]) -> None:
+        try:
+            kids = psutil.Process().children(recursive=True)
+        except psutil.Error:
+            return
+        for p in kids:
+            if p.pid in exclude:
+                continue
+            with contextlib.suppress(psutil.Error):
+                self.seen.setdefault(p.pid, p.create_time())
+
+    def alive(self) -> list[psutil.Process]:
+        out = []
+        for pid, ctime in list(self.seen.items()):
+            try:
+                p = psutil.Process(pid)
+                if p.create_time() != ctime or p.status() == psutil.STATUS_ZOMBIE:
+                    raise psutil.NoSuchProcess(pid)
+                out.append(p)
+            except psutil.Error:
+                self.seen.pop(pid, None)
+                with contextlib.suppress(ChildProcessError, OSError):
+                    os.waitpid(pid, os.WNOHANG)  # reap an orphan that was reparented to us
+        return out
+
+    def signal_all(self, sig: int) -> int:
+        n = 0
+        for p in self.alive():
+            with contextlib.suppress(psutil.Error):
+                p.send_signal(sig)
+                n += 1
+        return n
+
+
+class Supervisor:
+    def __init__(self, cmd: list[str], pf: Preflight, plan: dict[str, Any], opts: Options,
+                 say: Callable[[str], None]) -> None:
+        self.cmd, self.pf, self.plan, self.opts, self.say = cmd, pf, plan, opts, say
+        self.identity = pf.identity
+        self.config = pf.config
+        self.staging = bool(self.config and self.config.enabled)
+        self.pending_signals: list[int] = []
+        self.received: list[dict[str, Any]] = []
+        self.tree = Tree()
+        self.report = RunReport(cmd, self.identity.as_dict())
+        self.child: subprocess.Popen[bytes] | None = None
+        self.child_code: int | None = None
+        self.kill_at: float | None = None
+        self.killed = False
+        self.drain_requested: str | None = None  # why the final drain started
+        self.final_after_exit_done = False
+        self.early_drain_started = False
+        self.drain_started: float | None = None
+        self.next_sync: float | None = None
+        self.next_countdown: float | None = None
+        self.sidecar: Sidecar | None = None
+        self.workdir = Path(tempfile.mkdtemp(prefix="opguard-run-"))
+
+    # ---- signals ---------------------------------------------------------------------------
+    def _handler(self, signum: int, _frame: FrameType | None) -> None:
+        self.pending_signals.append(signum)
+
+    def install(self) -> tuple[int, list[tuple[int, Any]]]:
+        r, w = os.pipe()
+        os.set_blocking(r, False)
+        os.set_blocking(w, False)
+        signal.set_wakeup_fd(w, warn_on_full_buffer=False)
+        sigs = set(self.opts.forward) | ({self.opts.warning} if self.opts.warning else set())
+        old = [(int(s), signal.signal(s, self._handler)) for s in sigs]
+        return r, old
+
+    def handle_signal(self, signum: int, now: float) -> None:
+        name = signal.Signals(signum).name
+        forwarded = False
+        is_warning = self.opts.warning is not None and signum == self.opts.warning
+        child_running = self.child is not None and self.child_code is None
+        if (not is_warning or self.opts.forward_warning) and child_running:
+            assert self.child is not None
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.child.pid, signum)
+                forwarded = True
+        self.received.append({"signal": name, "at": time.time(), "forwarded": forwarded})
+        if self.opts.verbose or not self.opts.quiet:
+            what = "forwarded to the child's process group" if forwarded else (
+                "consumed" if is_warning else "child already exited")
+            self.say(f"opguard-run: received {name}: {what}")
+        if signum == signal.SIGTERM and child_running and self.kill_at is None:
+            self.kill_at = now + self.opts.kill_grace
+        if signum == signal.SIGTERM or is_warning:
+            self.request_drain("SIGTERM" if signum == signal.SIGTERM else f"warning signal {name}")
+
+    # ---- drain -------------------------------------------------------------------------------
+    def request_drain(self, why: str) -> None:
+        if not self.staging or self.drain_requested is not None:
+            return
+        self.drain_requested = why
+        self.say(f"opguard-run: final drain requested ({why})")
+        self._maybe_start_sync(time.monotonic())
+
+    def _maybe_start_sync(self, now: float) -> None:
+        """One sync at a time: the last final drain after the child exits, an early final drain once
+        when requested, otherwise periodic syncs on the staggered schedule."""
+        sc = self.sidecar
+        if sc is None or sc.running is not None:
+            return
+        if self.child_code is not None:
+            if not self.final_after_exit_done:
+                self.final_after_exit_done = True
+                if self.drain_started is None:
+                    self.drain_started = now
+                sc.start(final=True)
+            return
+        if self.drain_requested is not None and not self.early_drain_started:
+            self.early_drain_started = True
+            self.drain_started = now
+            sc.start(final=True)
+            return
+        if self.next_sync is not None and now >= self.next_sync:
+            assert self.config is not None
+            sc.start(final=False)
+            self.next_sync = now + self.config.sync_interval
+
+    def on_sync_done(self, res: SyncResult) -> None:
+        last = res.final and self.child_code is not None
+        if not self.opts.quiet or not res.ok or last:
+            self.say(res.line())
+        self.report.add_sync(res, last)
+
+    # ---- main loop ---------------------------------------------------------------------------
+    def run(self) -> int:
+        opts = self.opts
+        env = dict(os.environ)
+        env.update(self.identity.exports())
+        if self.staging:
+            self._node_setup(env)
+        _prctl(PR_SET_CHILD_SUBREAPER, 1)
+        wake_r, old = self.install()
+        sel = selectors.DefaultSelector()
+        sel.register(wake_r, selectors.EVENT_READ, "signal")
+        try:
+            self.child = subprocess.Popen(self.cmd, env=env, start_new_session=True, preexec_fn=_child_preexec)
+        except OSError as e:
+            self.say(f"opguard-run: cannot start {self.cmd[0]!r}: {e.strerror or e}")
+            return 127 if isinstance(e, FileNotFoundError) else 126
+        self.report.child_pid = self.child.pid
+        child_fd = os.pidfd_open(self.child.pid)
+        sel.register(child_fd, selectors.EVENT_READ, "child")
+        now = time.monotonic()
+        if self.staging:
+            assert self.config is not None
+            self.next_sync = now + stagger(self.identity, self.config.sync_interval)
+            if opts.countdown and countdown.job_id(os.environ):
+                self.next_countdown = now
+        sync_fd: int | None = None
+        next_tree = now
+        drain_deadline: float | None = None
+        try:
+            while True:
+                now = time.monotonic()
+                timers = [t for t in (self.next_sync if self.child_code is None else None, self.next_countdown,
+                                      next_tree if self.child_code is None or self.tree.seen else None,
+                                      self.kill_at, drain_deadline) if t is not None]
+                timeout = max(0.0, min(timers) - now) if timers else None
+                for key, _ in sel.select(timeout):
+                    if key.data == "signal":
+                        with contextlib.suppress(BlockingIOError):
+                            while os.read(wake_r, 512):
+                                pass
+                now = time.monotonic()
+                while self.pending_signals:
+                    self.handle_signal(self.pending_signals.pop(0), now)
+                if self.child_code is None and self.child.poll() is not None:
+                    self._on_child_exit(now)
+                    sel.unregister(child_fd)
+                    os.close(child_fd)
+                    if opts.drain_timeout is not None and self.staging:
+                        drain_deadline = now + opts.drain_timeout
+                if now >= next_tree:
+                    self.tree.refresh({self.sidecar.pid} if self.sidecar and self.sidecar.pid else set())
+                    next_tree = now + TREE_REFRESH_S
+                    if self.child_code is not None:
+                        self.tree.alive()
+                if self.kill_at is not None and now >= self.kill_at:
+                    self._kill_tree()
+                if self.next_countdown is not None and now >= self.next_countdown and self.child_code is None:
+                    self._countdown(now)
+                if self.sidecar is not None:
+                    res = self.sidecar.poll()
+                    if res is not None:
+                        if sync_fd is not None:
+                            sel.unregister(sync_fd)
+                            os.close(sync_fd)
+                            sync_fd = None
+                        self.on_sync_done(res)
+                    if drain_deadline is not None and now >= drain_deadline and self.sidecar.running:
+                        self.say(f"opguard-run: final drain exceeded --drain-timeout={opts.drain_timeout:g} s; "
+                                 "stopping it (resume with: opguard sync --all --final)")
+                        res = self.sidecar.stop()
+                        if res is not None:
+                            self.on_sync_done(res)
+                        if sync_fd is not None:
+                            sel.unregister(sync_fd)
+                            os.close(sync_fd)
+                            sync_fd = None
+                        self.final_after_exit_done = True
+                        self.report.drain_timed_out = True
+                    self._maybe_start_sync(now)
+                    if self.sidecar.running is not None and sync_fd is None:
+                        sync_fd = os.pidfd_open(self.sidecar.running.proc.pid)
+                        sel.register(sync_fd, selectors.EVENT_READ, "sync")
+                if self.child_code is not None and self._done():
+                    break
+        finally:
+            for signum, handler in old:
+                signal.signal(signum, handler)
+            signal.set_wakeup_fd(-1)
+            if self.sidecar is not None and self.sidecar.running is not None:
+                res = self.sidecar.stop()
+                if res is not None:
+                    self.report.add_sync(res, res.final)
+            self._cleanup_tree(final=True)
+        assert self.child_code is not None
+        return self._finish()
+
+    def _done(self) -> bool:
+        if self.tree.alive():
+            return False
+        if self.sidecar is None:
+            return True
+        return self.sidecar.running is None and self.final_after_exit_done
+
+    def _on_child_exit(self, now: float) -> None:
+        assert self.child is not None and self.child.returncode is not None
+        self.child_code = self.child.returncode
+        self.report.child_returncode = self.child_code
+        self.tree.refresh({self.sidecar.pid} if self.sidecar and self.sidecar.pid else set())
+        left = self.tree.alive()
+        if left:
+            self.say(f"opguard-run: the child exited; terminating {len(left)} process(es) left in its tree "
+                     f"(pids {', '.join(str(p.pid) for p in left[:8])}), SIGKILL after {self.opts.kill_grace:g} s")
+            self.tree.signal_all(signal.SIGTERM)
+            self.kill_at = now + self.opts.kill_grace
+        elif not self.killed:
+            self.kill_at = None
+        if self.staging and not self.opts.quiet:
+            self.say(f"opguard-run: child exited ({_describe(self.child_code)}); final drain")
+
+    def _kill_tree(self) -> None:
+        self.kill_at = None
+        assert self.child is not None
+        if self.child_code is None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.child.pid, signal.SIGKILL)
+        n = self.tree.signal_all(signal.SIGKILL)
+        if n or self.child_code is None:
+            self.killed = True
+            self.report.killed = True
+            self.say(f"opguard-run: grace of {self.opts.kill_grace:g} s over: SIGKILL to the child's tree "
+                     f"({n} process(es))")
+
+    def _cleanup_tree(self, final: bool) -> None:
+        if self.child is not None and self.child.poll() is None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.child.pid, signal.SIGKILL)
+            self.child.wait()
+        if self.tree.alive():
+            self.tree.signal_all(signal.SIGKILL)
+            deadline = time.monotonic() + 5
+            while self.tree.alive() and time.monotonic() < deadline:
+                time.sleep(0.05)
+
+    def _countdown(self, now: float) -> None:
+        assert self.config is not None
+        remaining = countdown.seconds_left(os.environ)
+        cap = effective_cap(self.config, self.identity.node_count).cap_mib_s
+        self.next_countdown = now + 60.0
+        if remaining is None:
+            return
+        from opguard.launcher.backlog import backlog_bytes
+        from opguard.staging.layout import Layout
+
+        pending = backlog_bytes(Layout(self.config), self.identity.owned_ranks(),
+                                self.identity.node_id if self.identity.node_duty else None)
+        needed = countdown.lead_seconds(pending, cap)
+        if remaining <= needed:
+            self.request_drain(f"job ends in {remaining:.0f} s; a drain of {pending} bytes needs ~{needed:.0f} s")
+            self.next_countdown = None
+        else:
+            self.next_countdown = now + max(1.0, min(60.0, (remaining - needed) / 2))
+
+    def _node_setup(self, env: dict[str, str]) -> None:
+        from opguard.launcher.claim import make_claim, take_node_duty
+        from opguard.launcher.nodeinfo import write_node_metadata
+        from opguard.staging.layout import Layout
+
+        assert self.config is not None
+        layout = Layout(self.config)
+        if self.identity.node_duty:
+            self._duty_lock = take_node_duty(layout)
+        make_claim(self.config, self.identity.node_id)
+        if self.identity.node_duty:
+            n = write_node_metadata(layout.node_dir(self.identity.node_id), self.identity, self.cmd, env)
+            if self.opts.verbose:
+                self.say(f"opguard-run: node metadata written ({n} source file(s) indexed)")
+        cap = effective_cap(self.config, self.identity.node_count).cap_mib_s
+        self.sidecar = Sidecar(self.identity, node_env(env, cap), self.workdir, self.opts.verbose, self.say)
+
+    def _finish(self) -> int:
+        assert self.child_code is not None
+        code = exit_status(self.child_code)
+        self.report.exit_code = code
+        self.report.signals = self.received
+        self.report.drain_reason = self.drain_requested or ("child exit" if self.staging else None)
+        path = self.opts.report_json
+        if path is None and self.staging:
+            assert self.config is not None
+            path = default_report_path(self.config, self.identity)
+        if self.staging or self.opts.verbose:
+            self.say(self.report.summary(self.staging))
+        if path is not None:
+            try:
+                write_report(path, self.report.to_json())
+            except OSError as e:
+                self.say(f"opguard-run: could not write the report {path}: {e.strerror or e}")
+        with contextlib.suppress(OSError):
+            for p in self.workdir.iterdir():
+                p.unlink()
+            self.workdir.rmdir()
+        return code
+
+
+def _describe(returncode: int) -> str:
+    if returncode < 0:
+        try:
+            return f"killed by {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"killed by signal {-returncode}"
+    return f"exit {returncode}"
+
+
+def run(cmd: list[str], pf: Preflight, plan: dict[str, Any], opts: Options) -> int:
+    def say(msg: str) -> None:
+        sys.stderr.write(msg + "\n")
+        sys.stderr.flush()
+
+    return Supervisor(cmd, pf, plan, opts, say).run()
