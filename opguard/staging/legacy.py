@@ -120,7 +120,7 @@ def _extract_snapshot(source: Path, rel: str, tree: Tree, sr: StreamReport) -> N
                 continue
             if not member.isfile() or out is None:
                 kind = ("a symbolic link" if member.issym() else "a hard link" if member.islnk()
-                        else "a device" if member.isdev() else "a FIFO" if member.isfifo() else "not a regular file")
+                        else "a FIFO" if member.isfifo() else "a device" if member.isdev() else "not a regular file")
                 raise damaged(stream, f"member {member.name!r} is {kind}: refused (a restore creates only "
                                       "directories and regular files)",
                               "the archive was not written by opguard; inspect it by hand, do not extract it")
