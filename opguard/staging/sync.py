@@ -30,7 +30,6 @@ from opguard.staging.publish import Bucket, remove_stale_tmp, upload
 from opguard.staging.ratelimit import TokenBucket
 from opguard.staging.scan import Change, FileStat, detect, last_newline_end, tail_sha256, walk
 from opguard.staging.target import check_stream, ensure_target, staging_of
-from opguard.staging.writers import check_staging_usable
 
 TORN_RETRIES = 3
 _RANK_STREAM = re.compile(r"^rank-(\d{6,})$")
@@ -464,7 +463,6 @@ def sync_streams(config: StagingConfig, layout: Layout, streams: Sequence[str], 
     say: Progress = progress or (lambda _msg: None)
     report = SyncReport(final=final)
     try:
-        check_staging_usable(config, layout)
         ensure_target(config, layout, node_id)
     except OpguardError as err:
         for stream in streams:

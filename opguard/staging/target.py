@@ -22,6 +22,7 @@ from opguard.staging.checkpoint import Checkpoint, Pending, load_checkpoint, loa
 from opguard.staging.config import StagingConfig
 from opguard.staging.fsutil import create_exclusive, dump_json, read_json
 from opguard.staging.layout import BUNDLES_DIRNAME, Layout
+from opguard.staging.writers import check_staging_usable
 
 LEGACY_SNAPSHOT = "sync.tar.gz"
 _V2_TOP = {"format.json", "nodes", "streams"}
@@ -223,6 +224,7 @@ def ensure_target(config: StagingConfig, layout: Layout, node_id: str) -> None:
     walks the target only when this node first joins the run or the target is new.
     """
     s = staging_of(config)
+    check_staging_usable(config, layout, create_state=False)
     if not s.target.is_dir():
         raise ConfigError(f"OPGUARD_LOCAL_DUMP_TARGET={s.target} does not exist or is not a directory",
                           f"create it (mkdir -p {s.target}) or fix OPGUARD_LOCAL_DUMP_TARGET")
@@ -233,6 +235,7 @@ def ensure_target(config: StagingConfig, layout: Layout, node_id: str) -> None:
     if fmt is None or not has_run:
         _refuse_legacy(s.target)
     # every check passed: record the identity
+    check_staging_usable(config, layout, create_state=True)
     if fmt is None:
         (s.bundles / "streams").mkdir(parents=True, exist_ok=True)
         doc = {"format": "opguard-bundles", "version": FORMAT_VERSION, "run_id": s.run_id,

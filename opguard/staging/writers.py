@@ -166,8 +166,9 @@ def write_file_atomic(path: str | os.PathLike[str], data: bytes | bytearray | me
 
 # ---- resolving where this process writes ------------------------------------------------------
 
-def check_staging_usable(config: StagingConfig, layout: Layout) -> None:
-    """Staging is enabled: the local base must exist and be writable, the state dir creatable."""
+def check_staging_usable(config: StagingConfig, layout: Layout, *, create_state: bool = True) -> None:
+    """Staging is enabled: the local base must exist and be writable, the state dir creatable
+    (created unless ``create_state`` is false)."""
     base = config.local_base
     assert base is not None
     if not base.is_dir():
@@ -180,6 +181,11 @@ def check_staging_usable(config: StagingConfig, layout: Layout) -> None:
                           "fix its permissions or point OPGUARD_LOCAL_DUMP_BASE at a writable node-local directory")
     state = layout.state_dir
     assert state is not None
+    if not create_state:
+        if state.exists() and not state.is_dir():
+            raise ConfigError(f"the uploader state directory {state} exists but is not a directory",
+                              "the state directory is mandatory; remove what is in its place")
+        return
     try:
         state.mkdir(exist_ok=True)
     except OSError as e:

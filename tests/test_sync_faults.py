@@ -1,0 +1,178 @@
+"""Injected I/O faults at the publish's use sites, torn reads, and a real SIGKILL mid-upload."""
+
+from __future__ import annotations
+
+import errno
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from opguard.staging import publish
+from opguard.staging import sync as sync_mod
+from opguard.staging.bundle import BatchWriter
+from opguard.staging.config import StagingConfig
+from opguard.staging.layout import Layout
+from opguard.staging.sync import SyncReport, sync_streams
+from opguard.staging.writers import JsonlWriter, write_file_atomic
+from tests.conftest import BIN
+from tests.test_sync_support import batches, rank_dir, replay, stream_dir, sync
+
+
+class FaultyOs:
+    """``os`` for opguard.staging.publish, with one call replaced."""
+
+    def __init__(self, name: str, fn: Callable[..., Any]) -> None:
+        self._name, self._fn = name, fn
+
+    def __getattr__(self, attr: str) -> Any:
+        return self._fn if attr == self._name else getattr(os, attr)
+
+
+def fail(code: int) -> Callable[..., Any]:
+    def f(*_a: Any, **_k: Any) -> Any:
+        raise OSError(code, os.strerror(code))
+    return f
+
+
+def run(env: dict[str, str]) -> SyncReport:
+    config = StagingConfig.from_env(env)
+    return sync_streams(config, Layout(config), ["rank-000000"], node_id="node-a")
+
+
+def state(env: dict[str, str]) -> Path:
+    return Path(env["OPGUARD_LOCAL_DUMP_BASE"]) / "state" / "streams" / "rank-000000"
+
+
+def _rename_then_fail(src: Any, dst: Any) -> None:
+    os.rename(src, dst)
+    raise OSError(errno.EIO, "reply lost")
+
+
+def _close_fail(fd: int) -> None:
+    os.close(fd)
+    raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+
+FAULTS = [
+    ("write", fail(errno.ENOSPC), "No space left", True),
+    ("write", fail(errno.EIO), "Input/output error", True),
+    ("fsync", fail(errno.EIO), "fsyncing", True),
+    ("close", _close_fail, "closing", True),
+    ("rename", fail(errno.EIO), "renaming", True),
+    ("rename", _rename_then_fail, None, False),  # failed but happened: published
+]
+
+
+@pytest.mark.parametrize(("call", "fn", "needle", "fails"), FAULTS, ids=[f"{f[0]}-{i}" for i, f in enumerate(FAULTS)])
+def test_fault_keeps_the_batch_and_the_next_sync_publishes_it(
+        staging_env: dict[str, str], monkeypatch: pytest.MonkeyPatch,
+        call: str, fn: Callable[..., Any], needle: str | None, fails: bool) -> None:
+    env = staging_env
+    d = rank_dir(env)
+    with JsonlWriter(d / "log.jsonl") as w:
+        for i in range(100):
+            w.write({"i": i})
+    monkeypatch.setattr(publish, "os", FaultyOs(call, fn))
+    report = run(env)
+    monkeypatch.undo()
+    sd = stream_dir(env)
+    assert [p.name for p in sd.iterdir() if p.name.startswith(".tmp-")] == []
+    if fails:
+        assert report.exit_code == 4
+        err = report.streams[0].error or ""
+        assert needle in err and "kept locally" in err
+        assert batches(env) == []
+        assert (state(env) / "pending.json").exists()
+    else:
+        assert report.exit_code == 0 and len(batches(env)) == 1
+    with open(d / "log.jsonl", "ab") as f:
+        f.write(b'{"later":1}\n')
+    sync(env)
+    sync(env)
+    assert replay(env) == {"log.jsonl": (d / "log.jsonl").read_bytes()}
+    assert not (state(env) / "pending.json").exists()
+
+
+def test_directory_fsync_failure_after_rename_is_recovered(staging_env: dict[str, str],
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    env = staging_env
+    write_file_atomic(rank_dir(env) / "x.bin", b"x")
+    monkeypatch.setattr(publish, "fsync_dir", fail(errno.EIO))
+    report = run(env)
+    monkeypatch.undo()
+    assert report.exit_code == 4 and "fsyncing the directory" in (report.streams[0].error or "")
+    assert len(batches(env)) == 1 and (state(env) / "pending.json").exists()
+    sync(env)  # finds it published (same name and size), fsyncs, advances the checkpoint
+    assert len(batches(env)) == 1 and not (state(env) / "pending.json").exists()
+    assert replay(env) == {"x.bin": b"x"}
+
+
+def _torn_add_stream(times: int) -> tuple[Callable[..., str], list[str]]:
+    real = BatchWriter.add_stream
+    seen: list[str] = []
+
+    def add_stream(self: BatchWriter, entry: dict[str, Any], src: Any, size: int, on_chunk: Any = None) -> str:
+        if entry["path"] == "t.pt" and len(seen) < times:
+            seen.append(entry["path"])
+            with open(src.name, "r+b") as f:  # an in-place rewrite while the uploader reads
+                f.write(b"Z")
+                f.flush()
+            os.utime(src.name, ns=(1, time.time_ns() + 10**9))
+        return real(self, entry, src, size, on_chunk)
+
+    return add_stream, seen
+
+
+def test_file_changing_while_read_is_retried_not_published_torn(staging_env: dict[str, str],
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    env = staging_env
+    write_file_atomic(rank_dir(env) / "t.pt", b"a" * 1000)
+    fn, seen = _torn_add_stream(1)
+    monkeypatch.setattr(sync_mod.BatchWriter, "add_stream", fn)
+    report = run(env)
+    monkeypatch.undo()
+    assert report.exit_code == 0 and seen == ["t.pt"]
+    assert replay(env) == {"t.pt": b"Z" + b"a" * 999}
+
+
+def test_file_always_changing_is_left_out_with_a_clear_error(staging_env: dict[str, str],
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    env = staging_env
+    write_file_atomic(rank_dir(env) / "t.pt", b"a" * 1000)
+    write_file_atomic(rank_dir(env) / "ok.pt", b"ok")
+    fn, _ = _torn_add_stream(100)
+    monkeypatch.setattr(sync_mod.BatchWriter, "add_stream", fn)
+    report = run(env)
+    monkeypatch.undo()
+    err = report.streams[0].error or ""
+    assert report.exit_code == 4 and "t.pt" in err and "changed while being read" in err
+    assert "atomic rename" in err
+    assert replay(env) == {"ok.pt": b"ok"}
+
+
+def test_sigkill_during_upload_then_normal_sync(staging_env: dict[str, str]) -> None:
+    env = {**staging_env, "OPGUARD_SYNC_MBPS": "2"}
+    d = rank_dir(env)
+    with JsonlWriter(d / "log.jsonl") as w:
+        for i in range(20000):
+            w.write({"i": i, "r": os.urandom(24).hex()})
+    p = subprocess.Popen([str(BIN / "opguard"), "sync"], env=env, stderr=subprocess.PIPE)
+    sd = stream_dir(env)
+    deadline = time.monotonic() + 30
+    while not (sd.is_dir() and any(n.startswith(".tmp-") for n in os.listdir(sd))):
+        assert time.monotonic() < deadline, "upload never started"
+        assert p.poll() is None, "sync finished before it could be killed"
+        time.sleep(0.005)
+    p.send_signal(signal.SIGKILL)
+    p.wait()
+    assert batches(env) == []
+    sync({**env, "OPGUARD_SYNC_MBPS": "1000"})
+    assert [n for n in os.listdir(sd) if n.startswith(".tmp-")] == []
+    lines = replay(env)["log.jsonl"].splitlines()
+    assert len(lines) == 20000 and len(set(lines)) == 20000
