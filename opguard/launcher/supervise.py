@@ -75,6 +75,7 @@ class Tree:
     """Every descendant of the wrapper seen so far (pid, create time), except its syncs."""
 
     seen: dict[int, float] = field(default_factory=dict)
+    protected: set[int] = field(default_factory=set)  # direct children reaped by Popen, never here
 
     def refresh(self, exclude: set[int]) -> None:
         try:
@@ -97,8 +98,9 @@ class Tree:
                 out.append(p)
             except psutil.Error:
                 self.seen.pop(pid, None)
-                with contextlib.suppress(ChildProcessError, OSError):
-                    os.waitpid(pid, os.WNOHANG)  # reap an orphan that was reparented to us
+                if pid not in self.protected:
+                    with contextlib.suppress(ChildProcessError, OSError):
+                        os.waitpid(pid, os.WNOHANG)  # reap an orphan that was reparented to us
         return out
 
     def signal_all(self, sig: int) -> int:
@@ -221,6 +223,7 @@ class Supervisor:
             self.say(f"opguard-run: cannot start {self.cmd[0]!r}: {e.strerror or e}")
             return 127 if isinstance(e, FileNotFoundError) else 126
         self.report.child_pid = self.child.pid
+        self.tree.protected.add(self.child.pid)
         child_fd = os.pidfd_open(self.child.pid)
         sel.register(child_fd, selectors.EVENT_READ, "child")
         now = time.monotonic()

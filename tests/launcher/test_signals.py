@@ -1,0 +1,168 @@
+"""Signals and exit codes with real processes: the wrapper, its child, grandchildren, real syncs."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.launcher.helpers import OPGUARD, OPGUARD_RUN, PY, pid_alive, wait_for
+
+PROG = str(Path(__file__).parent / "progs" / "sigchild.py")
+
+
+def start(env: dict[str, str], *args: str) -> subprocess.Popen[str]:
+    return subprocess.Popen([OPGUARD_RUN, *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+
+
+def restore(env: dict[str, str], dest: Path) -> Path:
+    r = subprocess.run([OPGUARD, "materialize", env["OPGUARD_LOCAL_DUMP_TARGET"], str(dest)], env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    return dest
+
+
+def report(env: dict[str, str], stream: str = "rank-000000") -> dict[str, object]:
+    path = Path(env["OPGUARD_LOCAL_DUMP_BASE"]) / "state" / "launcher" / f"{stream}.json"
+    doc = json.loads(path.read_text())
+    assert isinstance(doc, dict)
+    return doc
+
+
+@pytest.mark.parametrize("code", [0, 1, 7])
+def test_exit_codes_preserved(staging_env: dict[str, str], code: int) -> None:
+    env = {**staging_env, "OPGUARD_LOCAL_DUMP_ENABLED": "0"}
+    r = subprocess.run([OPGUARD_RUN, PY, "-c", f"import sys; print('out'); sys.exit({code})"], env=env,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == code
+    assert r.stdout == "out\n"  # the child's stdout passes through untouched
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM, signal.SIGABRT, signal.SIGSEGV])
+def test_signal_death_is_128_plus_signal(staging_env: dict[str, str], sig: signal.Signals) -> None:
+    env = {**staging_env, "OPGUARD_LOCAL_DUMP_ENABLED": "0"}
+    r = subprocess.run([OPGUARD_RUN, PY, "-c", f"import os; os.kill(os.getpid(), {int(sig)})"], env=env,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 128 + sig
+
+
+def test_exit_code_preserved_with_staging_and_failing_sync(staging_env: dict[str, str], tmp_path: Path) -> None:
+    """A sync that fails (target removed under it) is reported, never changes the exit code."""
+    out = tmp_path / "out"
+    p = start(staging_env, PY, PROG, str(out), "wait", "7")
+    wait_for(lambda: (out / "ready").exists(), 60, "the child to start")
+    target = Path(staging_env["OPGUARD_LOCAL_DUMP_TARGET"])
+    wait_for(lambda: (target / ".opguard-bundles" / "format.json").exists(), 60, "the first sync")
+    os.rename(target, tmp_path / "moved-away")
+    (out / "release").write_text("1")
+    _stdout, err = p.communicate(timeout=120)
+    assert p.returncode == 7, err
+    assert "FAILED" in err and "drain failed" in err
+    doc = report(staging_env)
+    assert doc["exit_code"] == 7 and doc["drain"]["status"] == "failed"  # type: ignore[index]
+
+
+def test_sigterm_forwarded_everything_published_exit_code_is_childs(staging_env: dict[str, str],
+                                                                      tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    env = {**staging_env, "OPGUARD_LOCAL_DUMP_SYNC_INTERVAL": "3600"}  # only the drain publishes
+    p = start(env, PY, PROG, str(out), "term-exit")
+    wait_for(lambda: (out / "ready").exists(), 60, "the child to start writing")
+    p.send_signal(signal.SIGTERM)
+    _stdout, err = p.communicate(timeout=120)
+    assert p.returncode == 3, err  # the child's own exit code, not 143 and not 0
+    assert (out / "signals.txt").read_text().split() == ["SIGTERM"]
+    assert "final drain requested (SIGTERM)" in err and "drain complete" in err
+    local = Path(env["OPGUARD_LOCAL_DUMP_BASE"]) / "ranks" / "rank-000000" / "trace.jsonl"
+    restored = restore(env, tmp_path / "restored") / "ranks" / "rank-000000" / "trace.jsonl"
+    assert restored.read_bytes() == local.read_bytes()
+    assert json.loads(restored.read_bytes().splitlines()[-1])["event"] == "SIGTERM"
+    doc = report(env)
+    assert doc["drain"]["status"] == "complete" and "rank-000000" in doc["drain"]["sealed_streams"]  # type: ignore[index]
+    assert doc["signals"][0]["signal"] == "SIGTERM" and doc["signals"][0]["forwarded"]  # type: ignore[index]
+
+
+def test_forwarded_signals_reach_the_child(staging_env: dict[str, str], tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    env = {**staging_env, "OPGUARD_LOCAL_DUMP_ENABLED": "0"}
+    p = start(env, PY, PROG, str(out), "wait", "0")
+    wait_for(lambda: (out / "ready").exists(), 60, "the child to start")
+    sent = [signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR2]
+    for i, s in enumerate(sent):
+        p.send_signal(s)
+        wait_for(lambda i=i: len((out / "signals.txt").read_text().split()) == i + 1
+                 if (out / "signals.txt").exists() else False, 30, f"{s.name} at the child")
+    (out / "release").write_text("1")
+    p.communicate(timeout=60)
+    assert p.returncode == 0
+    assert (out / "signals.txt").read_text().split() == [s.name for s in sent]
+
+
+def test_warning_signal_starts_drain_early_and_is_consumed(staging_env: dict[str, str], tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    env = {**staging_env, "OPGUARD_LOCAL_DUMP_SYNC_INTERVAL": "3600"}
+    p = start(env, PY, PROG, str(out), "wait", "0")
+    wait_for(lambda: (out / "ready").exists(), 60, "the child to start")
+    seal_dir = Path(env["OPGUARD_LOCAL_DUMP_TARGET"]) / ".opguard-bundles" / "streams" / "rank-000000"
+    assert not seal_dir.exists()
+    p.send_signal(signal.SIGUSR1)
+    # the drain publishes and seals while the child is still running
+    wait_for(lambda: any(seal_dir.glob("*.seal")) if seal_dir.exists() else False, 60, "an early seal")
+    child_pid = int((out / "child.pid").read_text())
+    assert pid_alive(child_pid)
+    (out / "release").write_text("1")
+    _stdout, err = p.communicate(timeout=120)
+    assert p.returncode == 0, err  # USR1 was not forwarded: python would have died of it (138)
+    assert not (out / "signals.txt").exists()
+    assert "warning signal SIGUSR1" in err
+    seals = sorted(seal_dir.glob("*.seal"))
+    assert len(seals) == 2  # the early drain's seal and the final one after the child exited
+    local = Path(env["OPGUARD_LOCAL_DUMP_BASE"]) / "ranks" / "rank-000000" / "trace.jsonl"
+    restored = restore(env, tmp_path / "restored") / "ranks" / "rank-000000" / "trace.jsonl"
+    assert restored.read_bytes() == local.read_bytes()
+
+
+def test_warning_forwarded_only_when_asked(staging_env: dict[str, str], tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    env = {**staging_env, "OPGUARD_LOCAL_DUMP_ENABLED": "0"}
+    p = start(env, "--forward-warning", PY, PROG, str(out), "wait", "0")
+    wait_for(lambda: (out / "ready").exists(), 60, "the child to start")
+    p.send_signal(signal.SIGUSR1)
+    p.communicate(timeout=60)
+    assert p.returncode == 128 + signal.SIGUSR1  # the child had no handler for it: its death is reported
+
+
+def test_child_ignoring_sigterm_is_killed_with_its_whole_tree(staging_env: dict[str, str], tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    p = start(staging_env, "--kill-grace", "1", PY, PROG, str(out), "ignore")
+    wait_for(lambda: (out / "ready").exists(), 60, "the child to start")
+    child = int((out / "child.pid").read_text())
+    grandchild = int((out / "grandchild.pid").read_text())
+    p.send_signal(signal.SIGTERM)
+    _stdout, err = p.communicate(timeout=120)
+    assert p.returncode == 128 + signal.SIGKILL, err
+    assert "SIGKILL" in err
+    assert not pid_alive(child) and not pid_alive(grandchild)
+    assert report(staging_env)["killed"] is True
+
+
+def test_orphaned_grandchild_does_not_outlive_the_wrapper(staging_env: dict[str, str], tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    env = {**staging_env, "OPGUARD_LOCAL_DUMP_ENABLED": "0"}
+    r = subprocess.run([OPGUARD_RUN, "--kill-grace", "1", PY, PROG, str(out), "orphan", "5"], env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 5, r.stderr
+    grandchild = int((out / "grandchild.pid").read_text())
+    assert not pid_alive(grandchild)
+    assert "left in its tree" in r.stderr
+
+
+def test_bad_signal_option(staging_env: dict[str, str]) -> None:
+    r = subprocess.run([OPGUARD_RUN, "--forward-signals", "TERM,KILL", PY, "-c", "pass"], env=staging_env,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "SIGKILL cannot be caught" in r.stderr
