@@ -262,6 +262,17 @@ def test_temporaries_ignored_and_unexpected_files_reported(tmp_path: Path) -> No
     assert report.warnings == [f"ignoring unexpected file {stream_dir(src, R0) / 'notes.txt'} (not a batch or a seal)"]
 
 
+def test_zero_byte_append_starts_an_empty_version(tmp_path: Path) -> None:
+    src = make_target(tmp_path / "shared")
+    add_batch(src, R0, [("append", "t.jsonl", 1, 0, b"1\n2\n")])
+    add_batch(src, R0, [("append", "t.jsonl", 2, 0, b"")])  # truncated, no complete record yet
+    before = tree_of(src)
+    verify(src)
+    assert tree_of(src) == before and sorted(p.name for p in tmp_path.iterdir()) == ["shared"]
+    materialize(src, tmp_path / "out")
+    assert (tmp_path / "out" / "ranks/rank-000000/t.jsonl").read_bytes() == b""
+
+
 def test_gap_inside_an_append_version_is_damage(tmp_path: Path) -> None:
     src = make_target(tmp_path / "shared")
     add_batch(src, R0, [("append", "t.jsonl", 1, 0, b"1\n")])
