@@ -218,7 +218,10 @@ class Supervisor:
         sel = selectors.DefaultSelector()
         sel.register(wake_r, selectors.EVENT_READ, "signal")
         try:
-            self.child = subprocess.Popen(self.cmd, env=env, start_new_session=True, preexec_fn=_child_preexec)
+            # close_fds=False: a wrapper passes inherited descriptors through (Hydra's PMI_FD, srun's
+            # PMI sockets); its own pipes and pidfds are close-on-exec.
+            self.child = subprocess.Popen(self.cmd, env=env, start_new_session=True, close_fds=False,
+                                          preexec_fn=_child_preexec)
         except OSError as e:
             self.say(f"opguard-run: cannot start {self.cmd[0]!r}: {e.strerror or e}")
             return 127 if isinstance(e, FileNotFoundError) else 126
@@ -379,6 +382,8 @@ class Supervisor:
         if self.identity.node_duty:
             self._duty_lock = take_node_duty(layout)
         make_claim(self.config, self.identity.node_id)
+        for r in self.identity.owned_ranks() or []:
+            layout.rank_dir(r).mkdir(parents=True, exist_ok=True)  # the rank's stream exists from the start
         if self.identity.node_duty:
             n = write_node_metadata(layout.node_dir(self.identity.node_id), self.identity, self.cmd, env)
             if self.opts.verbose:
