@@ -15,7 +15,7 @@ from opguard.staging.bundle import FORMAT_VERSION
 from opguard.staging.fsutil import atomic_replace_json, read_json
 
 
-@dataclass
+@dataclass(slots=True)
 class FileRecord:
     """What has been published of one source path (the last version and, for JSON lines, how far)."""
 
@@ -30,6 +30,10 @@ class FileRecord:
     tail_sha256: str | None = None  # append: sha256 of the <=4096 bytes before offset
     deleted: bool = False  # tombstone: keeps the version counter when a path disappears
 
+    @property
+    def identity(self) -> tuple[int, int, int, int, int]:
+        return (self.dev, self.ino, self.size, self.mtime_ns, self.ctime_ns)
+
     def to_json(self) -> dict[str, Any]:
         d: dict[str, Any] = {"kind": self.kind, "version": self.version, "dev": self.dev, "ino": self.ino,
                              "size": self.size, "mtime_ns": self.mtime_ns, "ctime_ns": self.ctime_ns}
@@ -42,10 +46,9 @@ class FileRecord:
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> FileRecord:
-        return cls(kind=str(d["kind"]), version=int(d["version"]), dev=int(d.get("dev", 0)),
-                   ino=int(d.get("ino", 0)), size=int(d.get("size", 0)), mtime_ns=int(d.get("mtime_ns", 0)),
-                   ctime_ns=int(d.get("ctime_ns", 0)), offset=int(d.get("offset", 0)),
-                   tail_sha256=d.get("tail_sha256"), deleted=bool(d.get("deleted", False)))
+        g = d.get
+        return cls(d["kind"], d["version"], g("dev", 0), g("ino", 0), g("size", 0), g("mtime_ns", 0),
+                   g("ctime_ns", 0), g("offset", 0), g("tail_sha256"), g("deleted", False))
 
 
 @dataclass

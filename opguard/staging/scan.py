@@ -15,6 +15,7 @@ import stat as st
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 from opguard.staging.checkpoint import FileRecord
 from opguard.staging.layout import WRITER_TMP_PREFIX
@@ -24,8 +25,7 @@ TAIL_BYTES = 4096
 _READ = 1 << 20
 
 
-@dataclass(frozen=True)
-class FileStat:
+class FileStat(NamedTuple):
     dev: int
     ino: int
     size: int
@@ -35,11 +35,14 @@ class FileStat:
 
     @classmethod
     def of(cls, s: os.stat_result) -> FileStat:
-        return cls(s.st_dev, s.st_ino, s.st_size, s.st_mtime_ns, s.st_ctime_ns, st.S_IMODE(s.st_mode))
+        return cls(s.st_dev, s.st_ino, s.st_size, s.st_mtime_ns, s.st_ctime_ns, s.st_mode & 0o7777)
+
+    @property
+    def identity(self) -> tuple[int, int, int, int, int]:
+        return (self.dev, self.ino, self.size, self.mtime_ns, self.ctime_ns)
 
     def same_identity(self, other: FileStat | FileRecord) -> bool:
-        return (self.dev, self.ino, self.size, self.mtime_ns, self.ctime_ns) == (
-            other.dev, other.ino, other.size, other.mtime_ns, other.ctime_ns)
+        return self.identity == other.identity
 
 
 @dataclass(frozen=True)
@@ -77,13 +80,17 @@ def walk(root: Path) -> Walk:
                 if e.name.startswith(WRITER_TMP_PREFIX):
                     continue
                 try:
+                    if e.is_dir(follow_symlinks=False):  # d_type: no stat() for directories
+                        stack.append((e.path, rel + "/"))
+                        continue
                     s = e.stat(follow_symlinks=False)
                 except FileNotFoundError:
                     continue
-                if st.S_ISDIR(s.st_mode):
+                if st.S_ISREG(s.st_mode):
+                    files[rel] = FileStat(s.st_dev, s.st_ino, s.st_size, s.st_mtime_ns, s.st_ctime_ns,
+                                          s.st_mode & 0o7777)
+                elif st.S_ISDIR(s.st_mode):
                     stack.append((e.path, rel + "/"))
-                elif st.S_ISREG(s.st_mode):
-                    files[rel] = FileStat.of(s)
                 else:
                     skipped[rel] = _kind(s.st_mode)
     return Walk(files, skipped)
@@ -144,7 +151,7 @@ def first_newline_end(fd: int, start: int, end: int) -> int:
 
 def _append_change(root: Path, rel: str, s: FileStat, rec: FileRecord | None) -> Change | None:
     live = rec if rec is not None and not rec.deleted else None
-    if live is not None and s.same_identity(live):
+    if live is not None and s[:5] == live.identity:
         return None  # unchanged: never read
     try:
         fd = os.open(root / rel, os.O_RDONLY | os.O_CLOEXEC)
@@ -180,9 +187,10 @@ def detect(root: Path, files: Mapping[str, FileRecord], walked: Walk) -> tuple[l
             if c is not None:
                 changes.append(c)
             continue
-        if rec is not None and not rec.deleted and s.same_identity(rec):
+        if rec is not None and not rec.deleted and s[:5] == rec.identity:
             continue
         version = rec.version + 1 if rec is not None else 1
         changes.append(Change(rel, "file", version, 0, s.size, s.size, s, True))
-    deleted = sorted(p for p, r in files.items() if not r.deleted and p not in walked.files)
+    gone = files.keys() - walked.files.keys()
+    deleted = sorted(p for p in gone if not files[p].deleted)
     return changes, deleted

@@ -20,6 +20,7 @@ from typing import Any
 import filelock
 
 from opguard.errors import ConfigError, IdentityError, LockTimeout, OpguardError, PublishError
+from opguard.staging import crashpoints
 from opguard.staging.bundle import BatchWriter, batch_name, read_manifest
 from opguard.staging.checkpoint import Checkpoint, FileRecord, Pending, save_checkpoint, save_pending
 from opguard.staging.config import StagingConfig
@@ -242,9 +243,11 @@ def _build(ctx: _Ctx, cp: Checkpoint, changes: list[Change], deleted: list[str],
                 taken += c.size
             else:
                 taken += _add_append(w, ctx.root, c, t.nbytes, new)
+            crashpoints.hit("building")
         for p in deleted:
             new.files[p].deleted = True
         digest, size = w.finish()
+        crashpoints.hit("built")
     except BaseException:
         w.abort()
         raise
@@ -252,8 +255,10 @@ def _build(ctx: _Ctx, cp: Checkpoint, changes: list[Change], deleted: list[str],
     new.head_digest = digest
     os.rename(build, ctx.pending_dir / name)
     fsync_dir(ctx.pending_dir)
+    crashpoints.hit("batch-renamed")
     pending = Pending(cp.next_sequence, name, digest, size, final, new)
     save_pending(ctx.state / "pending.json", pending)  # the intent is durable before any upload
+    crashpoints.hit("pending-saved")
     return pending, max(0, sum(c.size for c in use) - taken)
 
 
@@ -280,13 +285,16 @@ def _publish(ctx: _Ctx, pending: Pending) -> Checkpoint:
     try:
         lock = filelock.FileLock(os.fspath(ctx.layout.node_upload_lock), timeout=ctx.config.lock_timeout)
         with lock:
+            crashpoints.hit("upload-locked")
             copied = upload(src, ctx.target_dir, pending.name, pending.size, ctx.bucket)
     except filelock.Timeout:
         raise LockTimeout(
             f"the node upload lock {ctx.layout.node_upload_lock} was held by another sync for more than "
             f"OPGUARD_SYNC_LOCK_TIMEOUT={ctx.config.lock_timeout:g} s; batch {pending.name} stays pending",
             "raise OPGUARD_SYNC_LOCK_TIMEOUT or OPGUARD_SYNC_MBPS, or lower OPGUARD_SYNC_BATCH_MB") from None
+    crashpoints.hit("uploaded")
     save_checkpoint(ctx.state / "checkpoint.json", pending.checkpoint)
+    crashpoints.hit("checkpoint-saved")
     _finish_pending(ctx, pending)
     ctx.report.batches += 1
     if copied:
@@ -296,13 +304,14 @@ def _publish(ctx: _Ctx, pending: Pending) -> Checkpoint:
 
 def _finish_pending(ctx: _Ctx, pending: Pending) -> None:
     (ctx.state / "pending.json").unlink(missing_ok=True)
+    crashpoints.hit("pending-removed")
     (ctx.pending_dir / pending.name).unlink(missing_ok=True)
     fsync_dir(ctx.state)
 
 
 def _scan(ctx: _Ctx, cp: Checkpoint) -> tuple[list[Change], list[str]]:
     w = walk(ctx.root)
-    if ctx.kind == "rank":
+    if ctx.kind == "rank" and (ctx.root / NODE_COPY_DIRNAME).exists():
         reserved = sorted(p for p in w.files if p.split("/", 1)[0] == NODE_COPY_DIRNAME)
         for p in reserved:
             del w.files[p]
@@ -372,7 +381,10 @@ def _seal(ctx: _Ctx, cp: Checkpoint) -> Checkpoint:
     path = ctx.target_dir / f"{last:012d}.seal"
     try:
         ctx.target_dir.mkdir(parents=True, exist_ok=True)
-        if not create_exclusive(path, dump_json(doc)):
+        crashpoints.hit("sealing")
+        created = create_exclusive(path, dump_json(doc))
+        crashpoints.hit("sealed")
+        if not created:
             existing = read_json(path)
             if existing.get("last_digest") != cp.head_digest or existing.get("stream") != ctx.stream:
                 raise IdentityError(f"seal {path} names another batch than this stream's head {cp.head_digest}",
@@ -396,12 +408,14 @@ def _sync_stream(ctx: _Ctx, final: bool) -> None:
         cp = Checkpoint(s.run_id, ctx.stream, os.fspath(s.target))
         ctx.state.mkdir(parents=True, exist_ok=True)
         save_checkpoint(ctx.state / "checkpoint.json", cp)
+        crashpoints.hit("initial-checkpoint")
     ctx.target_dir.mkdir(parents=True, exist_ok=True)
     remove_stale_tmp(ctx.target_dir)
     if pending is not None and pending.sequence < cp.next_sequence:
         _finish_pending(ctx, pending)  # crashed after the checkpoint advanced: already done
         pending = None
     _clean_local(ctx, pending)
+    crashpoints.hit("cleaned")
     if pending is not None:
         payload = _payload_of(ctx, pending)
         cp = _publish(ctx, pending)
@@ -490,6 +504,7 @@ def sync_streams(config: StagingConfig, layout: Layout, streams: Sequence[str], 
                     "let the running sync finish (or raise OPGUARD_SYNC_LOCK_TIMEOUT); a lock timeout never "
                     "starts a second upload") from None
             try:
+                crashpoints.hit("locked")
                 _sync_stream(ctx, final)
             finally:
                 lock.release()
