@@ -8,6 +8,8 @@ import secrets
 from pathlib import Path
 from typing import Any
 
+from opguard.staging import crashpoints
+
 
 def fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
@@ -39,6 +41,7 @@ def atomic_replace_bytes(path: Path, data: bytes) -> None:
     tmp = tmp_name(path)
     try:
         write_bytes_durable(tmp, data)
+        crashpoints.hit("durable-tmp-written")
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
@@ -62,6 +65,7 @@ def create_exclusive(path: Path, data: bytes) -> bool:
     tmp = tmp_name(path, ".tmp-")
     try:
         write_bytes_durable(tmp, data)
+        crashpoints.hit("exclusive-tmp-written")
         try:
             os.link(tmp, path)
             created = True

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Protocol
 
 from opguard.errors import IdentityError, PublishError
+from opguard.staging import crashpoints
 from opguard.staging.fsutil import fsync_dir
 
 CHUNK = 1 << 20
@@ -82,6 +83,7 @@ def upload(src: Path, sdir: Path, name: str, size: int, bucket: Bucket,
     fd = -1
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        crashpoints.hit("upload-created")
         step = "writing"
         copied = 0
         with open(src, "rb") as f:
@@ -92,15 +94,18 @@ def upload(src: Path, sdir: Path, name: str, size: int, bucket: Bucket,
                     n = os.write(fd, view)
                     view = view[n:]
                 copied += len(buf)
+                crashpoints.hit("upload-writing")
                 if on_bytes:
                     on_bytes(len(buf))
         if copied != size:
             raise OSError(errno.EIO, f"local batch {src} has {copied} bytes, expected {size}")
         step = "fsyncing"
         os.fsync(fd)
+        crashpoints.hit("upload-fsynced")
         step = "closing"
         fd, closing = -1, fd
         os.close(closing)
+        crashpoints.hit("upload-closed")
         step = "renaming"
         try:
             os.rename(tmp, final)
@@ -109,6 +114,7 @@ def upload(src: Path, sdir: Path, name: str, size: int, bucket: Bucket,
             if not (final.exists() and os.stat(final).st_size == size):
                 raise
             tmp.unlink(missing_ok=True)
+        crashpoints.hit("upload-renamed")
         step = "fsyncing the directory of"
         fsync_dir(sdir)
     except OSError as e:
