@@ -40,10 +40,14 @@ import argparse
 import heapq
 import json
 import math
+import multiprocessing
+import os
 import random
+import resource
 import sys
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -80,7 +84,7 @@ class Workload:
     kill_wait: float = 30.0
     warning_s: float = 0.0  # --signal=B:USR1@W; 0: no warning, the drain starts at SIGTERM
     chunk_bytes: int = 0  # bytes per bucket.consume() call; 0: the whole batch in one call
-    salt: str = "sim"
+    salt: str = ""  # opguard-run calls stagger_offset without a salt
     seed: int = 1
 
     def __post_init__(self) -> None:
@@ -242,60 +246,61 @@ def upload(vc: VirtualClock, bucket: TokenBucket, nbytes: float, chunk: int) -> 
 # ---- our policy: one wrapper per node ------------------------------------------------------------
 
 def simulate_node_ours(k: int, w: Workload, rec: Record) -> None:
-    """Node ``k``: periodic ``opguard sync --all`` from its stagger offset, then the final drain(s)."""
+    """Node ``k`` as ``opguard-run`` drives it (``launcher/supervise.py``): one sync at a time; the
+    first periodic ``opguard sync --all`` at the node's stagger offset, each next one ``interval``
+    after the previous one started (at once if that has passed); a drain requested while a
+    periodic sync runs starts when it ends; after an early (warning) drain, periodic syncs resume;
+    at SIGTERM the producers stop and the last final drain runs."""
     rng = random.Random(f"{w.seed}:{k}")
     streams: list[RankData] = [RankData(w, rng.uniform(0, w.file_period)) for _ in range(w.ranks)]
     streams.append(NodeMetaData(w))
+    batches = [0] * len(streams)
+    sealed: list[int | None] = [None] * len(streams)  # batch count at the stream's current seal
     vc = VirtualClock()
     rate = w.cap_mib_s * MIB
     ratio = w.compress_ratio
     drains = [(w.job_seconds - w.warning_s, DRAIN_WARNING)] if w.warning_s else []
     drains.append((w.job_seconds, DRAIN_TERM))
-    offset = schedule.stagger_offset(k, w.nodes, w.interval, w.salt)
-    tick = offset
+    next_sync = schedule.stagger_offset(k, w.nodes, w.interval, w.salt)
     rec.ops += (0.0, 0.0)  # preflight: the node claim (docs/format.md §5.3), created then linked
     if k == 0:
         rec.ops += (0.0, 0.0)  # format.json, created once by whoever comes first
     worst = 0.0
-    last = (0.0, 0)  # (end, payload) of the latest periodic upload
+    current: list[tuple[float, int]] = []  # (end, payload) of the latest periodic sync's uploads
     for t_drain, kind in drains:
-        while tick < t_drain:
-            vc.now = max(vc.now, tick)
-            if vc.now >= t_drain:
-                break
+        while max(next_sync, vc.now) < t_drain:
+            vc.now = started = max(next_sync, vc.now)
             worst = max(worst, sum(s.backlog(vc.now) for s in streams))
             bucket = TokenBucket(rate, clock=vc.clock, sleep=vc.sleep)  # one bucket per sync process
-            for s in streams:
-                if vc.now >= t_drain:  # the drain cancels the rest of this periodic sync
-                    break
+            current = []
+            for i, s in enumerate(streams):
                 payload = s.take(vc.now)  # the stream's scan happens when its turn comes
                 if payload:
                     t0 = vc.now
                     upload(vc, bucket, payload / ratio, w.chunk_bytes)
                     rec.upload(t0, vc.now, payload / ratio, PERIODIC)
-                    last = (vc.now, payload)
-            # the next tick of the wrapper's fixed grid that has not passed yet
-            tick = max(tick + w.interval, offset + w.interval * math.ceil((vc.now - offset) / w.interval))
-        # final drain: the data visible at its start, after the upload in progress (node upload lock)
-        visible = [(s.jsonl_visible(t_drain), s.files_visible(t_drain)) for s in streams]
-        # unpublished at the drain's start, counting the batch still being uploaded then
-        backlog = sum(s.backlog(t_drain) for s in streams) + (last[1] if last[0] > t_drain else 0)
+                    current.append((vc.now, payload))
+                    batches[i] += 1
+            next_sync = started + w.interval
+        # unpublished when the drain is requested, counting what the running sync published after that
+        backlog = sum(s.backlog(t_drain) for s in streams) + sum(p for e, p in current if e > t_drain)
         vc.now = max(vc.now, t_drain)
         bucket = TokenBucket(rate, clock=vc.clock, sleep=vc.sleep)
-        for s, (j, f) in zip(streams, visible, strict=True):
+        for i, s in enumerate(streams):
+            mark = vc.now  # a final sync drains what the stream's first scan sees
             while True:
                 t0 = vc.now
-                payload = s.take(t_drain)  # never past the watermark of the drain's start
+                payload = s.take(mark)
                 if not payload:
                     break
                 upload(vc, bucket, payload / ratio, w.chunk_bytes)
                 rec.upload(t0, vc.now, payload / ratio, kind)
-            assert s.jsonl_published >= j or isinstance(s, NodeMetaData)
-            assert s.files_published >= f or isinstance(s, NodeMetaData)
-            rec.ops += (vc.now, vc.now)  # the seal: a temporary created, then linked into place
+                batches[i] += 1
+            if sealed[i] != batches[i]:
+                rec.ops += (vc.now, vc.now)  # the seal: a temporary created, then linked into place
+                sealed[i] = batches[i]
         rec.drain[kind].append(vc.now - t_drain)
         rec.drain_backlog[kind].append(backlog)
-        tick = offset + w.interval * math.ceil((vc.now - offset) / w.interval)  # ticks missed while draining
     rec.sync_backlog.append(worst)
 
 
@@ -317,7 +322,8 @@ def simulate_node_reference(k: int, w: Workload, rec: Record) -> None:
         t, r = heapq.heappop(heap)
         if t >= end:
             continue
-        worst = max(worst, sum(x.backlog(t) for x in ranks))
+        if r == 0:  # the node's backlog, sampled at local rank 0's cycles
+            worst = max(worst, sum(x.backlog(t) for x in ranks))
         s = ranks[r]
         saved = (s.jsonl_published, s.files_published)
         payload = s.take(t)  # the batch is built before the lock is taken
@@ -351,10 +357,33 @@ def simulate_node_reference(k: int, w: Workload, rec: Record) -> None:
     rec.sync_backlog.append(worst)
 
 
-def simulate(w: Workload, node_fn: Callable[[int, Workload, Record], None]) -> Record:
+NodeFn = Callable[[int, Workload, Record], None]
+
+
+def _simulate_range(node_fn: NodeFn, w: Workload, lo: int, hi: int) -> Record:
     rec = Record()
-    for k in range(w.nodes):
+    for k in range(lo, hi):
         node_fn(k, w, rec)
+    return rec
+
+
+def simulate(w: Workload, node_fn: NodeFn, jobs: int = 1) -> Record:
+    """Every node in turn, or spread over ``jobs`` processes (nodes never interact, so the
+    result is the same either way: the records are merged in node order)."""
+    if jobs <= 1 or w.nodes < 4 * jobs:
+        return _simulate_range(node_fn, w, 0, w.nodes)
+    bounds = np.linspace(0, w.nodes, 4 * jobs + 1).astype(int)
+    with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("fork")) as ex:
+        parts = list(ex.map(_simulate_range, [node_fn] * (bounds.size - 1), [w] * (bounds.size - 1),
+                            bounds[:-1].tolist(), bounds[1:].tolist()))
+    rec = Record()
+    for part in parts:
+        for name in ("start", "end", "nbytes", "phase", "ops", "sync_backlog"):
+            getattr(rec, name).extend(getattr(part, name))
+        for kind in rec.drain:
+            rec.drain[kind].extend(part.drain[kind])
+            rec.drain_backlog[kind].extend(part.drain_backlog[kind])
+        rec.wasted_bytes += part.wasted_bytes
     return rec
 
 
@@ -421,7 +450,7 @@ def summarize(w: Workload, rec: Record, step: float = 1.0) -> dict[str, Any]:
     per = phase == PERIODIC
     steady = per & (start >= 2 * w.interval) & (end <= w.job_seconds - w.interval - w.warning_s)
     peak, counts, weights = in_flight(start[per], end[per])
-    _, s_counts, s_weights = in_flight(start[steady], end[steady])
+    s_peak, s_counts, s_weights = in_flight(start[steady], end[steady])
     horizon = float(end.max()) if end.size else w.job_seconds
     grid = np.arange(0.0, horizon + step, step)
     cum = bytes_by(start, end, nbytes, grid)
@@ -435,7 +464,8 @@ def summarize(w: Workload, rec: Record, step: float = 1.0) -> dict[str, Any]:
         "uploads": int(start.size),
         "bytes_uploaded": float(nbytes.sum()),
         "in_flight_periodic": {
-            "peak": peak, "mean_steady": float((s_counts * s_weights).sum() / max(s_weights.sum(), 1e-9)),
+            "peak": peak, "peak_steady": s_peak,
+            "mean_steady": float((s_counts * s_weights).sum() / max(s_weights.sum(), 1e-9)),
             **weighted_percentiles(counts, weights)},
         "in_flight_drain_peak": drain_peak,
         "aggregate_mib_s": {"peak": float(rate.max() / MIB) if rate.size else 0.0,
@@ -463,7 +493,7 @@ def plan_numbers(w: Workload) -> dict[str, Any]:
             "drain_aggregate_mib_s": z.drain_aggregate_bytes_per_s / MIB,
             "metadata_ops_per_min": z.metadata_ops_per_minute, "worst_backlog_mib": z.worst_backlog_bytes / MIB,
             "worst_drain_s": z.worst_drain_s, "drain_fits_kill_wait": z.drain_fits_kill_wait,
-            "warning_s": z.warning_s}
+            "worst_early_drain_s": z.worst_early_drain_s, "warning_s": z.warning_s}
 
 
 @dataclass
@@ -483,7 +513,13 @@ class Result:
                 "wall_seconds": self.seconds}
 
 
-def run(w: Workload) -> Result:
+def _cpu() -> float:
+    """CPU seconds of this process and its finished children (the worker processes)."""
+    me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+def run(w: Workload, jobs: int = 1) -> Result:
     """Our policy without and with the ``--signal`` warning the plan recommends, and the reference."""
     plan = plan_numbers(w)
     warned = replace(w, warning_s=float(w.warning_s or plan["warning_s"]))
@@ -492,9 +528,10 @@ def run(w: Workload) -> Result:
     out: dict[str, dict[str, Any]] = {}
     for name, wl, fn in (("ours", bare, simulate_node_ours), ("ours_warned", warned, simulate_node_ours),
                          ("reference", bare, simulate_node_reference)):
-        t0 = time.perf_counter()
-        out[name] = summarize(wl, simulate(wl, fn))
+        t0, c0 = time.perf_counter(), _cpu()
+        out[name] = summarize(wl, simulate(wl, fn, jobs))
         seconds[name] = time.perf_counter() - t0
+        seconds[name + "_cpu"] = _cpu() - c0
     return Result(w, plan, out["ours"], out["ours_warned"], out["reference"], seconds)
 
 
@@ -512,8 +549,10 @@ def report(r: Result) -> str:
         f"{p['metadata_ops_per_min']:.0f} ops/min, "
         f"worst drain {p['worst_drain_s']:.1f} s (KillWait {w.kill_wait:g} s), warning to request {p['warning_s']} s",
         f"in flight (periodic): ours peak {fo['peak']} ({fo['peak'] / max(p['ideal_peak_in_flight'], 1):.3f}x ideal), "
-        f"p50/p99 {fo['p50']}/{fo['p99']}, steady mean {fo['mean_steady']:.1f} | reference peak {fr['peak']} "
-        f"({fr['peak'] / max(p['ideal_peak_in_flight'], 1):.2f}x ideal), p50/p99 {fr['p50']}/{fr['p99']}",
+        f"steady peak {fo['peak_steady']}, p50/p99 {fo['p50']}/{fo['p99']}, steady mean {fo['mean_steady']:.1f} | "
+        f"reference peak {fr['peak']} "
+        f"({fr['peak'] / max(p['ideal_peak_in_flight'], 1):.2f}x ideal), steady peak {fr['peak_steady']}, "
+        f"p50/p99 {fr['p50']}/{fr['p99']}",
         f"in flight (final drain): ours {o['in_flight_drain_peak']['drain-term']} | reference "
         f"{ref['in_flight_drain_peak']['drain-term']}",
         f"aggregate MiB/s: ours steady mean {o['aggregate_mib_s']['mean_steady']:.0f}, steady peak "
@@ -534,7 +573,8 @@ def report(r: Result) -> str:
         f"with --signal=B:USR1@{ow['_warning']:g}: warning drain p50 {ow['drain_s']['drain-warning']['p50']:.2f} max "
         f"{ow['drain_s']['drain-warning']['max']:.2f} s (over warning {ow['drain_over_warning']}/{w.nodes}); "
         f"SIGTERM drain max {ow['drain_s']['drain-term']['max']:.2f} s (over KillWait {ow['drain_over_kill_wait']})",
-        "simulation wall time (s): " + ", ".join(f"{k} {v:.1f}" for k, v in r.seconds.items()),
+        "simulation wall / CPU seconds: " + ", ".join(
+            f"{k} {r.seconds[k]:.1f} / {r.seconds[k + '_cpu']:.1f}" for k in ("ours", "ours_warned", "reference")),
     ]
     return "\n".join(lines)
 
@@ -608,6 +648,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kill-wait", type=float, default=d.kill_wait, help="Slurm KillWait (s)")
     ap.add_argument("--warning", type=float, default=0.0, help="--signal warning (s); default: the plan's")
     ap.add_argument("--chunk-mib", type=float, default=0.0, help="bytes per bucket.consume (0: whole batch)")
+    ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="processes (nodes are independent)")
     ap.add_argument("--table", default="", help="comma-separated node counts: print a markdown table instead")
     ap.add_argument("--png", type=Path, help="write the plot here")
     ap.add_argument("--json", type=Path, help="write the figures here")
@@ -617,13 +658,13 @@ def main(argv: list[str] | None = None) -> int:
                     file_bytes=int(a.file_mib * MIB), file_period=a.file_period, compress_ratio=a.compress,
                     kill_wait=a.kill_wait, warning_s=a.warning, chunk_bytes=int(a.chunk_mib * MIB))
     if a.table:
-        rows = [run(replace(base, nodes=int(n))) for n in a.table.split(",")]
+        rows = [run(replace(base, nodes=int(n)), a.jobs) for n in a.table.split(",")]
         print(table(rows))
         if a.json:
             a.json.write_text(json.dumps([r.as_json() for r in rows], indent=1, default=_jsonable))
         return 0
     t0 = time.perf_counter()
-    r = run(base)
+    r = run(base, a.jobs)
     print(report(r))
     print(f"total wall time {time.perf_counter() - t0:.1f} s")
     if a.json:

@@ -81,6 +81,7 @@ def test_cluster_sizing_for_the_issue_defaults() -> None:
     assert z.drain_aggregate_bytes_per_s == 32_000 * MIB
     assert z.metadata_ops_per_minute == 16_000
     assert z.worst_drain_s == pytest.approx(6.75)
+    assert z.worst_early_drain_s == pytest.approx(216 / (32 - 3.6))
     assert z.drain_fits_kill_wait
     assert z.warning_s == 30
 
@@ -94,4 +95,14 @@ def test_cluster_sizing_when_the_cap_is_too_low() -> None:
     assert z.aggregate_bytes_per_s == pytest.approx(10 * 4 * MIB)
     assert z.worst_backlog_bytes == pytest.approx(8 * MIB * 60 + 4 * MIB * 3600 + 256 * MIB)
     assert not z.drain_fits_kill_wait
+    assert z.worst_early_drain_s == math.inf  # the ranks write faster than the cap: never catches up
     assert z.warning_s == math.ceil(1.5 * z.worst_drain_s)
+
+
+def test_warning_covers_an_early_drain_when_the_rate_is_close_to_the_cap() -> None:
+    z = schedule.ClusterSizing(node_count=10, ranks_per_node=8, node_bytes_per_s=30 * MIB, interval=60,
+                               batch_bytes=256 * MIB, cap_mib_s=32, job_seconds=3600, kill_wait=30)
+    assert z.keeps_up
+    assert z.worst_drain_s == pytest.approx(56.25)
+    assert z.worst_early_drain_s == pytest.approx(900)  # 1800 MiB at a spare 2 MiB/s
+    assert z.warning_s == 900

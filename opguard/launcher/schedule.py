@@ -172,10 +172,21 @@ class ClusterSizing:
         return drain_seconds(self.worst_backlog_bytes, self.cap_mib_s)
 
     @property
+    def worst_early_drain_s(self) -> float:
+        """An early (warning) drain while the ranks keep writing: each stream drains what its first
+        scan sees, so the drain also carries what is written meanwhile: backlog / (cap − rate)."""
+        spare = self.cap_mib_s * MIB - self.node_bytes_per_s
+        return self.worst_backlog_bytes / spare if spare > 0 else math.inf
+
+    @property
     def drain_fits_kill_wait(self) -> bool:
         return self.worst_drain_s <= self.kill_wait
 
     @property
     def warning_s(self) -> int:
-        """The ``--signal=B:USR1@N`` warning to request so the worst-case drain finishes in time."""
-        return warning_seconds(self.worst_backlog_bytes, self.cap_mib_s)
+        """The ``--signal=B:USR1@N`` warning to request so the worst-case drain finishes in time
+        (``warning_seconds``: 1.5 × the drain at the cap, at least 30 s; never less than the early
+        drain's own bound)."""
+        w = warning_seconds(self.worst_backlog_bytes, self.cap_mib_s)
+        early = self.worst_early_drain_s
+        return w if early <= w or math.isinf(early) else math.ceil(early)
