@@ -166,3 +166,43 @@ def test_unknown_rank_is_an_error_not_a_no_op(staging_env: dict[str, str]) -> No
     r = opguard(staging_env, "sync", "--rank", "7")
     assert r.returncode == 2
     assert "rank-000007" in r.stderr and "fix:" in r.stderr
+
+
+def test_links_and_temporaries_are_skipped_and_reported_once(staging_env: dict[str, str]) -> None:
+    env = staging_env
+    d = rank_dir(env)
+    write_file_atomic(d / "real.bin", b"r")
+    (d / ".opguard-tmp-real.bin.abc").write_bytes(b"half-written")
+    os.symlink("real.bin", d / "link.bin")
+    os.mkfifo(d / "pipe")
+    r = sync(env)
+    assert "symbolic link" in r.stderr and "link.bin" in r.stderr and "FIFO" in r.stderr
+    assert replay(env) == {"real.bin": b"r"}
+    r = sync(env)
+    assert "link.bin" not in r.stderr  # reported once
+
+
+def test_report_json(staging_env: dict[str, str], tmp_path: Path) -> None:
+    env = staging_env
+    write_file_atomic(rank_dir(env) / "x.bin", b"x" * 1000)
+    out = tmp_path / "report.json"
+    r = sync(env, "--report-json", str(out))
+    rep = json.loads(out.read_text())
+    assert rep["exit_code"] == 0 and rep["batches"] == 1 and rep["payload_bytes"] == 1000
+    s = rep["streams"][0]
+    assert s["stream"] == "rank-000000" and s["uploaded_bytes"] == batches(env)[0].stat().st_size
+    assert s["backlog_bytes"] == 0 and s["error"] is None
+    assert "1 batch(es)" in r.stderr and "backlog" in r.stderr
+    r = opguard(env, "sync", "--rank", "9", "--report-json", str(out))
+    rep = json.loads(out.read_text())
+    assert r.returncode == 2 and rep["exit_code"] == 2 and "rank-000009" in rep["streams"][0]["error"]
+
+
+def test_periodic_backlog_is_reported(staging_env: dict[str, str]) -> None:
+    env = {**staging_env, "OPGUARD_SYNC_BATCH_MB": "1"}
+    d = rank_dir(env)
+    for i in range(3):
+        write_file_atomic(d / f"t{i}.bin", os.urandom(700 * 1024))
+    config = StagingConfig.from_env(env)
+    rep = sync_streams(config, Layout(config), ["rank-000000"], node_id="node-a")
+    assert rep.batches == 1 and rep.payload_bytes == 700 * 1024 and rep.backlog_bytes == 2 * 700 * 1024
