@@ -59,6 +59,7 @@ def test_exit_code_preserved_with_staging_and_failing_sync(staging_env: dict[str
     target = Path(staging_env["OPGUARD_LOCAL_DUMP_TARGET"])
     wait_for(lambda: (target / ".opguard-bundles" / "format.json").exists(), 60, "the first sync")
     os.rename(target, tmp_path / "moved-away")
+    target.write_text("not a directory any more")  # every later sync fails, none can recreate it
     (out / "release").write_text("1")
     _stdout, err = p.communicate(timeout=120)
     assert p.returncode == 7, err
