@@ -85,6 +85,7 @@ class Workload:
     warning_s: float = 0.0  # --signal=B:USR1@W; 0: no warning, the drain starts at SIGTERM
     chunk_bytes: int = 0  # bytes per bucket.consume() call; 0: the whole batch in one call
     salt: str = ""  # opguard-run calls stagger_offset without a salt
+    reference_node_lock: bool = True  # opguard 0.1.0 serializes a node's uploads; False: every rank on its own
     seed: int = 1
 
     def __post_init__(self) -> None:
@@ -329,7 +330,7 @@ def simulate_node_reference(k: int, w: Workload, rec: Record) -> None:
         payload = s.take(t)  # the batch is built before the lock is taken
         done = t
         if payload:
-            start = max(t, free_at)
+            start = max(t, free_at) if w.reference_node_lock else t
             stop = min(end, start + payload / ratio / rate)
             if start >= end:  # still waiting for the lock when the process is told to stop
                 s.jsonl_published, s.files_published = saved
@@ -344,15 +345,18 @@ def simulate_node_reference(k: int, w: Workload, rec: Record) -> None:
         heapq.heappush(heap, (done + w.interval * jitter.uniform(1.0, 1.2), r))
     # close() at exit: every rank drains what is visible, one upload at a time under the node lock
     backlog = sum(x.backlog(end) for x in ranks)
-    now = max(end, free_at)
+    now = last = max(end, free_at)
     for s in ranks:
+        if not w.reference_node_lock:
+            now = end  # every rank's process drains on its own
         while True:
             payload = s.take(end)
             if not payload:
                 break
             rec.upload(now, now + payload / ratio / rate, payload / ratio, DRAIN_TERM)
             now += payload / ratio / rate
-    rec.drain[DRAIN_TERM].append(now - end)
+        last = max(last, now)
+    rec.drain[DRAIN_TERM].append(last - end)
     rec.drain_backlog[DRAIN_TERM].append(backlog)
     rec.sync_backlog.append(worst)
 
@@ -504,12 +508,14 @@ class Result:
     ours_warned: dict[str, Any]
     reference: dict[str, Any]
     seconds: dict[str, float]
+    reference_per_rank: dict[str, Any] | None = None
 
     def as_json(self) -> dict[str, Any]:
         def strip(d: dict[str, Any]) -> dict[str, Any]:
             return {k: v for k, v in d.items() if k != "series" and not k.startswith("_")}
         return {"workload": asdict(self.workload), "plan": self.plan, "ours": strip(self.ours),
                 "ours_with_warning": strip(self.ours_warned), "reference": strip(self.reference),
+                "reference_per_rank": strip(self.reference_per_rank) if self.reference_per_rank else None,
                 "wall_seconds": self.seconds}
 
 
@@ -519,20 +525,25 @@ def _cpu() -> float:
     return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
 
 
-def run(w: Workload, jobs: int = 1) -> Result:
-    """Our policy without and with the ``--signal`` warning the plan recommends, and the reference."""
+def run(w: Workload, jobs: int = 1, per_rank: bool = False) -> Result:
+    """Our policy without and with the ``--signal`` warning the plan recommends, and the reference
+    (``per_rank``: also the reference without its node lock, every rank uploading on its own)."""
     plan = plan_numbers(w)
     warned = replace(w, warning_s=float(w.warning_s or plan["warning_s"]))
     bare = replace(w, warning_s=0.0)
     seconds: dict[str, float] = {}
     out: dict[str, dict[str, Any]] = {}
-    for name, wl, fn in (("ours", bare, simulate_node_ours), ("ours_warned", warned, simulate_node_ours),
-                         ("reference", bare, simulate_node_reference)):
+    runs: list[tuple[str, Workload, NodeFn]] = [
+        ("ours", bare, simulate_node_ours), ("ours_warned", warned, simulate_node_ours),
+        ("reference", bare, simulate_node_reference)]
+    if per_rank:
+        runs.append(("reference_per_rank", replace(bare, reference_node_lock=False), simulate_node_reference))
+    for name, wl, fn in runs:
         t0, c0 = time.perf_counter(), _cpu()
         out[name] = summarize(wl, simulate(wl, fn, jobs))
         seconds[name] = time.perf_counter() - t0
         seconds[name + "_cpu"] = _cpu() - c0
-    return Result(w, plan, out["ours"], out["ours_warned"], out["reference"], seconds)
+    return Result(w, plan, out["ours"], out["ours_warned"], out["reference"], seconds, out.get("reference_per_rank"))
 
 
 # ---- output ------------------------------------------------------------------------------------
@@ -576,6 +587,13 @@ def report(r: Result) -> str:
         "simulation wall / CPU seconds: " + ", ".join(
             f"{k} {r.seconds[k]:.1f} / {r.seconds[k + '_cpu']:.1f}" for k in ("ours", "ours_warned", "reference")),
     ]
+    if r.reference_per_rank:
+        x = r.reference_per_rank
+        lines.insert(-1, f"reference without its node lock (every rank uploads on its own): periodic peak "
+                         f"{x['in_flight_periodic']['peak']}, steady peak {x['in_flight_periodic']['peak_steady']}, "
+                         f"aggregate peak {x['aggregate_mib_s']['peak']:.0f} MiB/s, drain in flight "
+                         f"{x['in_flight_drain_peak']['drain-term']}, "
+                         f"drain max {x['drain_s']['drain-term']['max']:.2f} s")
     return "\n".join(lines)
 
 
@@ -617,18 +635,26 @@ def plot(r: Result, path: Path) -> None:
 
 
 def table(rows: list[Result]) -> str:
-    head = ("| nodes | t_upload s | ideal peak | ours peak | reference peak | aggregate MiB/s (plan / sim) "
-            "| creates+renames /min (plan / sim) | drain at SIGTERM p50 / max s | plan worst drain s | warning s |")
+    """One markdown row per node count: the plan's number beside the simulation's."""
+    head = ("| nodes | t_upload s | ideal peak | ours: peak (steady) | reference: peak (steady) "
+            "| aggregate MiB/s: plan / sim | drain aggregate GiB/s: plan / sim "
+            "| creates+renames/min: plan / sim (peak) | SIGTERM drain s: p50 / max (plan bound) "
+            "| warning s | warning drain max s (plan bound) | reference drain max s |")
     out = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
-        p, o, ref = r.plan, r.ours, r.reference
+        p, o, ow, ref = r.plan, r.ours, r.ours_warned, r.reference
+        fo, fr = o["in_flight_periodic"], ref["in_flight_periodic"]
         out.append(
             f"| {r.workload.nodes} | {p['upload_s']:.2f} | {p['ideal_peak_in_flight']} "
-            f"| {o['in_flight_periodic']['peak']} | {ref['in_flight_periodic']['peak']} "
+            f"| {fo['peak']} ({fo['peak_steady']}) | {fr['peak']} ({fr['peak_steady']}) "
             f"| {p['aggregate_mib_s']:.0f} / {o['aggregate_mib_s']['mean_steady']:.0f} "
+            f"| {p['drain_aggregate_mib_s'] / 1024:.1f} / {o['aggregate_mib_s']['peak'] / 1024:.1f} "
             f"| {p['metadata_ops_per_min']:.0f} / {o['metadata_ops_per_min']['mean_steady']:.0f} "
+            f"({o['metadata_ops_per_min']['peak']}) "
             f"| {o['drain_s']['drain-term']['p50']:.1f} / {o['drain_s']['drain-term']['max']:.1f} "
-            f"| {p['worst_drain_s']:.1f} | {p['warning_s']} |")
+            f"({p['worst_drain_s']:.1f}) | {p['warning_s']} "
+            f"| {ow['drain_s']['drain-warning']['max']:.1f} ({p['worst_early_drain_s']:.1f}) "
+            f"| {ref['drain_s']['drain-term']['max']:.1f} |")
     return "\n".join(out)
 
 
@@ -649,6 +675,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warning", type=float, default=0.0, help="--signal warning (s); default: the plan's")
     ap.add_argument("--chunk-mib", type=float, default=0.0, help="bytes per bucket.consume (0: whole batch)")
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="processes (nodes are independent)")
+    ap.add_argument("--reference-per-rank", action="store_true",
+                    help="also simulate the reference without its node-local upload lock")
     ap.add_argument("--table", default="", help="comma-separated node counts: print a markdown table instead")
     ap.add_argument("--png", type=Path, help="write the plot here")
     ap.add_argument("--json", type=Path, help="write the figures here")
@@ -664,7 +692,7 @@ def main(argv: list[str] | None = None) -> int:
             a.json.write_text(json.dumps([r.as_json() for r in rows], indent=1, default=_jsonable))
         return 0
     t0 = time.perf_counter()
-    r = run(base, a.jobs)
+    r = run(base, a.jobs, a.reference_per_rank)
     print(report(r))
     print(f"total wall time {time.perf_counter() - t0:.1f} s")
     if a.json:
