@@ -131,3 +131,27 @@ def test_broken_staging_never_falls_back_to_shared_storage(staging_env: dict[str
         assert "OPGUARD_LOCAL_DUMP_BASE" in str(ei.value) or "state" in ei.value.message
         assert ei.value.fix
     assert list(target.iterdir()) == []
+
+
+def test_a_record_cut_short_by_an_error_is_rolled_back(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import errno
+    import os
+
+    w = JsonlWriter(tmp_path / "t.jsonl")
+    w.write({"ok": 1})
+    real_write = os.write
+    calls = {"n": 0}
+
+    def short_then_enospc(fd: int, data: bytes | memoryview) -> int:
+        calls["n"] += 1
+        if calls["n"] == 1:
+            return real_write(fd, bytes(data)[:5])
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "write", short_then_enospc)
+    with pytest.raises(OSError):
+        w.write({"big": "x" * 100})
+    monkeypatch.undo()
+    w.write({"ok": 2})
+    w.close()
+    assert (tmp_path / "t.jsonl").read_bytes() == b'{"ok":1}\n{"ok":2}\n'

@@ -102,10 +102,27 @@ class JsonlWriter:
         if self.rotate_bytes is not None and self._size > 0 and self._size + len(line) > self.rotate_bytes:
             self.rotate()
         view = memoryview(line)
-        while view:
-            n = os.write(self._fd, view)  # O_APPEND: each write lands at the end
-            view = view[n:]
+        written = 0
+        try:
+            while view:
+                n = os.write(self._fd, view)  # O_APPEND: each write lands at the end
+                view = view[n:]
+                written += n
+        except OSError:
+            if written:
+                self._rollback(written)
+            raise
         self._size += len(line)
+
+    def _rollback(self, written: int) -> None:
+        """Cut off a partially written record (ENOSPC mid-record) so later records stay whole."""
+        assert self._fd is not None
+        try:
+            size = os.fstat(self._fd).st_size
+            if size == self._size + written:  # nobody else appended since: the tail is ours
+                os.ftruncate(self._fd, self._size)
+        except OSError:
+            pass
 
     def flush(self) -> None:
         """Records are written unbuffered; with ``fsync=True`` this makes them durable."""
