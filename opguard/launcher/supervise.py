@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import os
 import selectors
 import signal
@@ -61,8 +62,13 @@ def _prctl(option: int, arg: int) -> bool:
         return False
 
 
-def _child_preexec() -> None:  # runs in the child between fork and exec
+def _child_preexec(ignore: tuple[signal.Signals, ...] = ()) -> None:  # in the child between fork and exec
     _prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM))
+    # A consumed warning signal is ignored by the child's tree (SIG_IGN survives exec): srun and
+    # slurmstepd deliver it to every process of the step, not only to the wrapper, and its default
+    # action would kill the program (torchrun with default options dies on SIGUSR1).
+    for s in ignore:
+        signal.signal(s, signal.SIG_IGN)
 
 
 def exit_status(returncode: int) -> int:
@@ -220,8 +226,9 @@ class Supervisor:
         try:
             # close_fds=False: a wrapper passes inherited descriptors through (Hydra's PMI_FD, srun's
             # PMI sockets); its own pipes and pidfds are close-on-exec.
+            ignore = (opts.warning,) if opts.warning is not None and not opts.forward_warning else ()
             self.child = subprocess.Popen(self.cmd, env=env, start_new_session=True, close_fds=False,
-                                          preexec_fn=_child_preexec)
+                                          preexec_fn=functools.partial(_child_preexec, ignore))
         except OSError as e:
             self.say(f"opguard-run: cannot start {self.cmd[0]!r}: {e.strerror or e}")
             return 127 if isinstance(e, FileNotFoundError) else 126
