@@ -66,7 +66,7 @@ def paths_cmd(rank: int | None, as_json: bool) -> None:
 def _register() -> None:
     import importlib
 
-    for mod in ("opguard.cli_staging", "opguard.cli_restore", "opguard.cli_run"):
+    for mod in ("opguard.cli_staging", "opguard.cli_restore", "opguard.cli_run", "opguard.cli_compare"):
         try:
             importlib.import_module(mod)
         except ModuleNotFoundError as e:

@@ -1,0 +1,125 @@
+"""Status of a pair (``docs/compare.md`` §4): ``ok``, ``mismatch`` (with numeric differences), or
+``unaligned`` for an unresolved operation (no diff at all).
+
+``ok`` means the compared recorded fields agree — slot names, dtype, shape and content digest of
+every input and output — not bitwise tensor equality. For a differing output the numeric
+differences are: with tensor dumps on both sides, the element-wise ``max_abs_err``,
+``max_rel_err`` and ``cosine``; otherwise the differences of the recorded statistics
+(``stats_max_abs_diff``, ``stats_max_rel_diff``), named as such.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from opguard.compare.records import Record, Slot
+
+OK = "ok"
+MISMATCH = "mismatch"
+UNALIGNED = "unaligned"
+STATUSES = (OK, MISMATCH, UNALIGNED)
+
+
+@dataclass
+class Diff:
+    status: str
+    fields: list[str] = field(default_factory=list)      # e.g. "outputs.out0.digest", "inputs.self.shape"
+    inputs_equal: bool = True
+    numeric: dict[str, dict[str, float]] = field(default_factory=dict)
+
+
+def _compare_slots(kind: str, a: list[Slot], b: list[Slot], out: list[str]) -> list[tuple[Slot, Slot]]:
+    by_a = {s.name: s for s in a}
+    by_b = {s.name: s for s in b}
+    differing: list[tuple[Slot, Slot]] = []
+    for name in by_a.keys() | by_b.keys():
+        sa, sb = by_a.get(name), by_b.get(name)
+        if sa is None or sb is None:
+            out.append(f"{kind}.{name}.present")
+            continue
+        bad = False
+        for attr in ("dtype", "shape", "digest"):
+            if getattr(sa, attr) != getattr(sb, attr):
+                out.append(f"{kind}.{name}.{attr}")
+                bad = True
+        if bad:
+            differing.append((sa, sb))
+    out.sort()
+    return differing
+
+
+def _stats_diff(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
+    abs_d = 0.0
+    rel_d = 0.0
+    seen = False
+    for k in ("min", "max", "mean", "std", "absmax"):
+        if k in a and k in b and math.isfinite(a[k]) and math.isfinite(b[k]):
+            d = abs(a[k] - b[k])
+            abs_d = max(abs_d, d)
+            rel_d = max(rel_d, d / max(abs(a[k]), abs(b[k]), 1e-30) if d else 0.0)
+            seen = True
+    out: dict[str, float] = {}
+    if seen:
+        out = {"stats_max_abs_diff": abs_d, "stats_max_rel_diff": rel_d}
+    for k in ("nan", "inf", "nan_count", "inf_count"):
+        if k in a and k in b and a[k] != b[k]:
+            out[f"{k}_diff"] = b[k] - a[k]
+    return out
+
+
+def load_dump(path: str) -> Any:
+    """A tensor dump as a float64 numpy array (``.npy`` with numpy, ``.pt`` with torch, lazily)."""
+    import numpy as np
+
+    p = Path(path)
+    if p.suffix == ".npy":
+        arr = np.load(p, allow_pickle=False)
+    else:
+        import torch
+
+        t = torch.load(p, map_location="cpu", weights_only=True)
+        arr = t.detach().to(torch.float64).numpy()
+    return np.asarray(arr, dtype=np.float64).ravel()
+
+
+def dump_errors(pa: str, pb: str) -> dict[str, float]:
+    import numpy as np
+
+    a, b = load_dump(pa), load_dump(pb)
+    if a.shape != b.shape:
+        return {}
+    d = np.abs(a - b)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        rel = d / np.maximum(np.abs(a), np.abs(b))
+    rel = np.where(d == 0, 0.0, rel)
+    out = {"max_abs_err": float(np.nanmax(d)) if d.size else 0.0,
+           "max_rel_err": float(np.nanmax(rel)) if rel.size else 0.0}
+    na, nb = float(np.linalg.norm(a)), float(np.linalg.norm(b))
+    if na > 0 and nb > 0:
+        out["cosine"] = float(np.dot(a, b) / (na * nb))
+    return out
+
+
+def diff_pair(a: Record, b: Record) -> Diff:
+    fields: list[str] = []
+    _compare_slots("inputs", a.inputs, b.inputs, fields)
+    inputs_equal = not fields
+    differing = _compare_slots("outputs", a.outputs, b.outputs, fields)
+    if not fields:
+        return Diff(OK)
+    numeric: dict[str, dict[str, float]] = {}
+    for sa, sb in differing:
+        vals: dict[str, float] = {}
+        if sa.dump and sb.dump:
+            try:
+                vals = dump_errors(sa.dump, sb.dump)
+            except (OSError, ValueError, RuntimeError, ImportError):
+                vals = {}
+        if not vals and sa.stats and sb.stats:
+            vals = _stats_diff(sa.stats, sb.stats)
+        if vals:
+            numeric[sa.name] = vals
+    return Diff(MISMATCH, fields, inputs_equal, numeric)

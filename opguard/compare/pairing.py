@@ -1,0 +1,168 @@
+"""Call correspondence between two corresponding trace streams (``docs/compare.md`` §2).
+
+The rules, and nothing else (no similarity scores, no repair passes):
+
+1. Equal call-site key sequences (function, call site, rank, context) pair in execution order,
+   basis ``equal-sequence``.
+2. Otherwise, **anchors**: an anchor key that occurs exactly once on each side matches those two
+   operations; of those matches only a longest set whose order agrees on both sides is kept
+   (longest increasing subsequence; ties keep the earliest), basis ``input-anchor``.
+3. Between consecutive anchors (and before the first / after the last), equal call-site key
+   sequences pair in order, basis ``between-anchors``. Every other operation stays unresolved
+   with a reason from :data:`REASONS`.
+
+Keys and anchor keys are plain integers chosen by the caller (:mod:`opguard.compare.records`):
+this module never sees an output value or shape.
+"""
+
+from __future__ import annotations
+
+import itertools
+from array import array
+from bisect import bisect_left
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+# bases of a pair
+EQUAL_SEQUENCE = "equal-sequence"
+INPUT_ANCHOR = "input-anchor"
+BETWEEN_ANCHORS = "between-anchors"
+ALIGN_MAP = "alignment-map"
+BASES = (EQUAL_SEQUENCE, INPUT_ANCHOR, BETWEEN_ANCHORS, ALIGN_MAP)
+
+# reasons of an unresolved operation (the documented list, docs/compare.md §3)
+NO_CORRESPONDING_FILE = "no-corresponding-file"
+SEGMENT_DIFFERS = "segment-differs"
+NO_COUNTERPART_IN_SEGMENT = "no-counterpart-in-segment"
+ANCHOR_ORDER_CONFLICT = "anchor-order-conflict"
+REJECTED_BY_MAP = "rejected-by-alignment-map"
+REASONS = (NO_CORRESPONDING_FILE, SEGMENT_DIFFERS, NO_COUNTERPART_IN_SEGMENT, ANCHOR_ORDER_CONFLICT,
+           REJECTED_BY_MAP)
+
+NO_ANCHOR = 0
+
+
+@dataclass
+class Pairing:
+    """Result for one stream pair. ``a_to_b[i]`` is the B index paired with A's i-th op, or -1."""
+
+    a_to_b: array[int]
+    b_to_a: array[int]
+    basis_a: list[str | None]      # basis of A's i-th op when paired
+    reason_a: list[str | None]     # reason of A's i-th op when unresolved
+    reason_b: list[str | None]
+    anchors: int = 0
+
+    def rows(self) -> list[tuple[int, int]]:
+        """Both sequences merged in execution order: (a, b), (a, -1) or (-1, b) per row.
+
+        Every pair is monotone, so each pair is one row and the unresolved operations of each
+        side sit between the pairs around them (A's before B's).
+        """
+        out: list[tuple[int, int]] = []
+        j = 0
+        nb = len(self.b_to_a)
+        for i, b in enumerate(self.a_to_b):
+            if b < 0:
+                out.append((i, -1))
+                continue
+            while j < b:
+                out.append((-1, j))
+                j += 1
+            out.append((i, b))
+            j = b + 1
+        while j < nb:
+            out.append((-1, j))
+            j += 1
+        return out
+
+
+def _lis(pairs: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Longest subsequence of ``pairs`` (sorted by a) with strictly increasing b; earliest on ties."""
+    tails: list[int] = []          # smallest b ending an increasing run of length k+1
+    tail_idx: list[int] = []
+    prev = [-1] * len(pairs)
+    for k, (_, b) in enumerate(pairs):
+        pos = bisect_left(tails, b)
+        if pos == len(tails):
+            tails.append(b)
+            tail_idx.append(k)
+        else:
+            tails[pos] = b
+            tail_idx[pos] = k
+        prev[k] = tail_idx[pos - 1] if pos else -1
+    out: list[tuple[int, int]] = []
+    k = tail_idx[-1] if tail_idx else -1
+    while k >= 0:
+        out.append(pairs[k])
+        k = prev[k]
+    out.reverse()
+    return out
+
+
+def _unique(anchors: Sequence[int]) -> dict[int, int]:
+    seen: dict[int, int] = {}
+    dup: set[int] = set()
+    for i, key in enumerate(anchors):
+        if key == NO_ANCHOR:
+            continue
+        if key in seen:
+            dup.add(key)
+        else:
+            seen[key] = i
+    for key in dup:
+        del seen[key]
+    return seen
+
+
+def pair_streams(keys_a: Sequence[int], keys_b: Sequence[int],
+                 anchors_a: Sequence[int], anchors_b: Sequence[int]) -> Pairing:
+    """Pair two streams given their call-site keys and anchor keys (``NO_ANCHOR`` = none)."""
+    na, nb = len(keys_a), len(keys_b)
+    a_to_b = array("q", [-1]) * na
+    b_to_a = array("q", [-1]) * nb
+    basis_a: list[str | None] = [None] * na
+    reason_a: list[str | None] = [None] * na
+    reason_b: list[str | None] = [None] * nb
+    result = Pairing(a_to_b, b_to_a, basis_a, reason_a, reason_b)
+    if na == nb and list(keys_a) == list(keys_b):
+        for i in range(na):
+            a_to_b[i] = i
+            b_to_a[i] = i
+            basis_a[i] = EQUAL_SEQUENCE
+        return result
+
+    ua, ub = _unique(anchors_a), _unique(anchors_b)
+    matches = sorted((i, ub[key]) for key, i in ua.items() if key in ub)
+    kept = _lis(matches)
+    conflict_a = {i for i, _ in matches}
+    conflict_b = {j for _, j in matches}
+    for i, j in kept:
+        a_to_b[i] = j
+        b_to_a[j] = i
+        basis_a[i] = INPUT_ANCHOR
+        conflict_a.discard(i)
+        conflict_b.discard(j)
+    result.anchors = len(kept)
+
+    bounds = [(-1, -1), *kept, (na, nb)]
+    for (a0, b0), (a1, b1) in itertools.pairwise(bounds):
+        seg_a = range(a0 + 1, a1)
+        seg_b = range(b0 + 1, b1)
+        if len(seg_a) == len(seg_b) and all(keys_a[i] == keys_b[j] for i, j in zip(seg_a, seg_b, strict=True)):
+            for i, j in zip(seg_a, seg_b, strict=True):
+                a_to_b[i] = j
+                b_to_a[j] = i
+                basis_a[i] = BETWEEN_ANCHORS
+            continue
+        why = NO_COUNTERPART_IN_SEGMENT if (not seg_a or not seg_b) else SEGMENT_DIFFERS
+        for i in seg_a:
+            reason_a[i] = ANCHOR_ORDER_CONFLICT if i in conflict_a else why
+        for j in seg_b:
+            reason_b[j] = ANCHOR_ORDER_CONFLICT if j in conflict_b else why
+    return result
+
+
+def unpaired(n: int, reason: str) -> tuple[array[int], list[str | None]]:
+    """An op list with no counterpart at all (a stream present in one run only)."""
+    return array("q", [-1]) * n, [reason] * n

@@ -1,0 +1,260 @@
+"""Normalised operation records: one shape for opguard captures and reference-implementation traces.
+
+A :class:`Record` holds what pairing and the diff need: the call site (function, file, line,
+source-line digest), rank, context, and the captured tensor slots. ``site`` is the call-site
+identity used for pairing (``docs/compare.md`` §2): ``<file name>:sha=<line digest>#<k>`` when a
+source-line digest is known (``k`` the occurrence of that line text in the file, where the source
+is available), else ``<file name>:line=<N>``. File and line stay on the record as evidence only.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from opguard.errors import ConfigError
+
+COLLECTIVE_PREFIXES = ("torch.distributed.", "dist.", "c10d.", "_c10d_functional.", "torch.ops.c10d")
+
+
+@dataclass(slots=True)
+class Slot:
+    """One captured tensor (or value) of an operation."""
+
+    name: str
+    digest: str | None = None
+    dtype: str | None = None
+    shape: tuple[int, ...] | None = None
+    device: str | None = None
+    stats: dict[str, float] | None = None
+    dump: str | None = None           # path of a tensor dump, when one exists
+
+    def signature(self) -> tuple[Any, ...]:
+        return (self.name, self.digest, self.dtype, self.shape)
+
+
+@dataclass(slots=True)
+class Record:
+    """One operation of one stream, in execution order (``index``)."""
+
+    rank: int
+    index: int
+    function: str
+    site: str
+    file: str | None = None
+    line: int | None = None
+    scope: str | None = None
+    line_digest: str | None = None
+    context: str = ""
+    seq: int | None = None
+    step: int | None = None
+    collective: bool = False
+    inputs: list[Slot] = field(default_factory=list)
+    outputs: list[Slot] = field(default_factory=list)
+
+    def key(self) -> str:
+        """The call-site key that order-based pairing compares (rank is equal within a stream)."""
+        return f"{self.function}\x00{self.site}\x00{self.context}"
+
+    def anchor_text(self) -> str | None:
+        """Captured-input identity for anchors: function + every input slot's digest (None if none)."""
+        digests = [f"{s.name}={s.digest}" for s in self.inputs if s.digest]
+        if not digests:
+            return None
+        return self.function + "\x00" + "\x00".join(digests)
+
+
+def is_collective(function: str) -> bool:
+    f = function.strip("<>")
+    return f.startswith(COLLECTIVE_PREFIXES) or ".distributed." in f
+
+
+def line_site(file: str | None, line: int | None, digest: str | None, occurrence: int | None) -> str:
+    name = os.path.basename(file) if file else "?"
+    if digest:
+        return f"{name}:sha={digest[:16]}#{occurrence if occurrence is not None else 0}"
+    return f"{name}:line={line if line is not None else '?'}"
+
+
+def stripped_line_digest(text: str) -> str:
+    return hashlib.sha256(text.strip().encode("utf-8")).hexdigest()
+
+
+class SourceIndex:
+    """Source files by path (for line digests and occurrence numbers); never exported per operation."""
+
+    def __init__(self) -> None:
+        self._lines: dict[str, list[str] | None] = {}
+        self.files: dict[str, Path] = {}
+
+    def add(self, original: str, copy: Path) -> None:
+        self.files.setdefault(original, copy)
+
+    def _get(self, original: str) -> list[str] | None:
+        if original not in self._lines:
+            copy = self.files.get(original)
+            lines: list[str] | None = None
+            if copy is not None:
+                try:
+                    lines = copy.read_text(encoding="utf-8", errors="replace").splitlines()
+                except OSError:
+                    lines = None
+            self._lines[original] = lines
+        return self._lines[original]
+
+    def digest_and_occurrence(self, file: str, line: int, digest: str | None = None) -> tuple[str | None, int | None]:
+        """(digest of the stripped line, how many earlier lines of the file have the same text)."""
+        lines = self._get(file)
+        if lines is None or not 1 <= line <= len(lines):
+            return digest, None
+        text = lines[line - 1].strip()
+        own = stripped_line_digest(text)
+        if digest is not None and digest != own:
+            return digest, None          # the copy is not the file that ran: no occurrence number
+        k = sum(1 for t in lines[: line - 1] if t.strip() == text)
+        return own, k
+
+
+# ---- opguard capture records (docs/capture.md) -------------------------------------------------
+
+def _shape(v: Any) -> tuple[int, ...] | None:
+    if isinstance(v, list | tuple) and all(isinstance(x, int) for x in v):
+        return tuple(v)
+    return None
+
+
+def _stats(v: Any) -> dict[str, float] | None:
+    if not isinstance(v, Mapping):
+        return None
+    out: dict[str, float] = {}
+    for k, x in v.items():
+        if (isinstance(x, int | float) and not isinstance(x, bool)) or x in ("nan", "inf", "-inf"):
+            out[str(k)] = float(x)
+    return out
+
+
+def capture_slot(raw: Mapping[str, Any], default_name: str) -> Slot:
+    stats = raw.get("stats")
+    return Slot(
+        name=str(raw.get("slot", raw.get("name", default_name))),
+        digest=raw.get("digest") if isinstance(raw.get("digest"), str) else None,
+        dtype=raw.get("dtype") if isinstance(raw.get("dtype"), str) else None,
+        shape=_shape(raw.get("shape")),
+        device=raw.get("device") if isinstance(raw.get("device"), str) else None,
+        stats=_stats(stats),
+        dump=raw.get("dump") if isinstance(raw.get("dump"), str) else None,
+    )
+
+
+def from_capture(obj: Mapping[str, Any], index: int, sources: SourceIndex | None, where: str) -> Record:
+    """A capture record (docs/capture.md) as a :class:`Record`."""
+    try:
+        cs = obj.get("callsite") or obj.get("call_site") or {}
+        file = cs.get("file")
+        line = cs.get("line")
+        digest = cs.get("line_sha256") or cs.get("source_sha256") or cs.get("digest")
+        occurrence = None
+        if sources is not None and file and isinstance(line, int):
+            digest, occurrence = sources.digest_and_occurrence(file, line, digest)
+        function = str(obj["function"] if "function" in obj else obj["fn"])
+        inputs = [capture_slot(s, f"in{i}") for i, s in enumerate(obj.get("inputs") or [])]
+        outputs = [capture_slot(s, f"out{i}") for i, s in enumerate(obj.get("outputs") or [])]
+        ctx = obj.get("context")
+        if isinstance(ctx, list):
+            ctx = "/".join(str(c) for c in ctx)
+        kind = obj.get("kind")
+        return Record(
+            rank=int(obj["rank"]), index=index, function=function,
+            site=line_site(file, line, digest, occurrence), file=file, line=line,
+            scope=cs.get("func") or cs.get("function"), line_digest=digest, context=str(ctx or ""),
+            seq=obj.get("seq"), step=obj.get("step"),
+            collective=bool(kind == "collective" or obj.get("collective") or is_collective(function)),
+            inputs=inputs, outputs=outputs)
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise ConfigError(f"{where}: not an opguard capture record ({type(e).__name__}: {e})",
+                          "pass a trace directory written by opguard capture (docs/capture.md)") from None
+
+
+# ---- reference implementation (opguard 0.1.0) records -------------------------------------------
+
+def _ref_slots(value: Any, path: str, out: list[Slot]) -> None:
+    if isinstance(value, Mapping):
+        stats = value.get("stats")
+        if isinstance(stats, Mapping) or "shape" in value:
+            stats = stats if isinstance(stats, Mapping) else {}
+            sig = stats.get("xor_signature")
+            digest = None
+            if isinstance(sig, list):
+                digest = "xor:" + ",".join(str(x) for x in sig)
+            elif sig is not None:
+                digest = f"xor:{sig}"
+            numeric = {k: float(v) for k, v in stats.items()
+                       if isinstance(v, int | float) and not isinstance(v, bool) and k != "numel"}
+            out.append(Slot(name=path, digest=digest, dtype=stats.get("dtype"), shape=_shape(value.get("shape")),
+                            device=stats.get("device"), stats=numeric or None))
+            return
+        for k, v in value.items():
+            _ref_slots(v, f"{path}.{k}" if path else str(k), out)
+    elif isinstance(value, list | tuple):
+        for i, v in enumerate(value):
+            _ref_slots(v, f"{path}[{i}]", out)
+
+
+def from_reference(obj: Mapping[str, Any], sources: SourceIndex | None, where: str) -> Record:
+    """A reference trace record (``counter``, ``function``, ``inputs``/``outputs``, ``gpu_rank``)."""
+    try:
+        function = str(obj["function"]).strip("<>")
+        line = obj.get("line_num")
+        line = line if isinstance(line, int) else None
+        files = obj.get("source_files")
+        file: str | None = None
+        if isinstance(files, Mapping) and files:
+            file = str(next(iter(files)))
+        elif isinstance(obj.get("stack_trace"), str) and obj["stack_trace"].strip():
+            file = obj["stack_trace"].strip().splitlines()[-1].split(":")[0]
+        digest = occurrence = None
+        if sources is not None and file and line is not None:
+            digest, occurrence = sources.digest_and_occurrence(file, line)
+        inputs: list[Slot] = []
+        raw_in = obj.get("inputs") or {}
+        if isinstance(raw_in, Mapping):
+            _ref_slots(raw_in.get("self"), "self", inputs)
+            _ref_slots(raw_in.get("args"), "args", inputs)
+            _ref_slots(raw_in.get("kwargs"), "kwargs", inputs)
+        outputs: list[Slot] = []
+        _ref_slots(obj.get("outputs"), "out", outputs)
+        return Record(
+            rank=int(obj["gpu_rank"]), index=-1, function=function, site=line_site(file, line, digest, occurrence),
+            file=file, line=line, line_digest=digest, seq=int(obj["counter"]), collective=is_collective(function),
+            inputs=inputs, outputs=outputs)
+    except (KeyError, TypeError, ValueError) as e:
+        raise ConfigError(f"{where}: not a reference trace record ({type(e).__name__}: {e})",
+                          "pass an exec_trace directory written by the reference implementation") from None
+
+
+def iter_jsonl(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
+    """(line number, object) for every complete record of a JSON-lines file; a bad line is an error."""
+    with open(path, "rb") as f:
+        for n, line in enumerate(f, 1):
+            if not line.endswith(b"\n"):
+                break                       # an incomplete trailing record (still being written)
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except ValueError as e:
+                raise ConfigError(f"{path}:{n}: not a JSON record ({e})",
+                                  "repair or remove the damaged line; compare reads only complete records") from None
+            if not isinstance(obj, dict):
+                raise ConfigError(f"{path}:{n}: a record must be a JSON object", "repair or remove the line")
+            yield n, obj
+
+
+def finite(x: float | None) -> bool:
+    return x is not None and math.isfinite(x)

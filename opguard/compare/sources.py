@@ -1,0 +1,271 @@
+"""Resolve a compare input (A or B) into trace streams (``docs/compare.md`` §1).
+
+Accepted, detected in this order:
+
+* a shared target holding ``.opguard-bundles/`` (format 2 or reference v1 bundles), or legacy
+  ``sync.tar.gz`` snapshots (the directory, or one archive in it): restored and verified with
+  :func:`opguard.staging.restore.materialize` into a temporary directory, removed afterwards;
+* a trace directory or a restored directory: ``ranks/rank-<R:06d>/`` holding opguard capture
+  files (``docs/capture.md``);
+* reference-implementation traces: ``exec_trace/gpu_<R:03d>/ops/<fn>/<fn>_line<N>.jsonl``
+  (the directory holding ``exec_trace/``, ``exec_trace/`` itself, or one ``gpu_<R>`` directory).
+
+A *stream* is one rank's sequence of operations in execution order; streams of two runs
+correspond when rank and stream name are equal.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import re
+import shutil
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from opguard.compare.records import Record, SourceIndex, from_capture, from_reference, iter_jsonl
+from opguard.errors import ConfigError, IntegrityError
+
+REF_STREAM = "ops"
+_RANK_DIR = re.compile(r"rank-([0-9]{6,})")
+_GPU_DIR = re.compile(r"gpu_([0-9]{3,})")
+_SEGMENT = re.compile(r"^(?P<stem>.*?)(?:\.(?P<n>[0-9]{6}))?(?P<suffix>\.jsonl|\.ndjson)$")
+
+KIND_CAPTURE = "opguard-capture"
+KIND_REFERENCE = "reference-exec-trace"
+
+
+def is_capture_record(obj: dict[str, Any]) -> bool:
+    schema = obj.get("schema")
+    if isinstance(schema, str):
+        return schema.startswith("opguard.capture")
+    return ("function" in obj or "fn" in obj) and "rank" in obj and "inputs" in obj and "outputs" in obj
+
+
+@dataclass
+class Stream:
+    """One rank's operations of one run. ``records()`` reads them again on every call."""
+
+    kind: str
+    rank: int
+    name: str
+    files: list[Path]
+    sources: SourceIndex
+
+    @property
+    def key(self) -> tuple[int, str]:
+        return (self.rank, self.name)
+
+    def records(self) -> Iterator[Record]:
+        if self.kind == KIND_REFERENCE:
+            yield from self._reference_records()
+            return
+        index = 0
+        for path in self.files:
+            for n, obj in iter_jsonl(path):
+                rec = from_capture(obj, index, self.sources, f"{path}:{n}")
+                if rec.rank != self.rank:
+                    raise ConfigError(f"{path}:{n}: record of rank {rec.rank} in the directory of rank {self.rank}",
+                                      "a rank directory must hold only its own rank's records")
+                index += 1
+                yield rec
+
+    def _reference_records(self) -> Iterator[Record]:
+        recs: list[Record] = []
+        for path in self.files:
+            for n, obj in iter_jsonl(path):
+                rec = from_reference(obj, self.sources, f"{path}:{n}")
+                if rec.rank != self.rank:
+                    raise ConfigError(f"{path}:{n}: record of gpu_rank {rec.rank} under gpu_{self.rank:03d}",
+                                      "a gpu_<rank> directory must hold only its own rank's records")
+                recs.append(rec)
+        recs.sort(key=lambda r: (r.seq if r.seq is not None else -1))
+        for i, rec in enumerate(recs):
+            rec.index = i
+            yield rec
+
+
+@dataclass
+class Run:
+    """One side of a comparison."""
+
+    label: str                 # "A" or "B"
+    given: str                 # the path as the user gave it
+    kind: str
+    root: Path
+    streams: dict[tuple[int, str], Stream] = field(default_factory=dict)
+    restored_from: str | None = None
+    skipped: list[str] = field(default_factory=list)
+
+    def digest(self) -> str:
+        """SHA-256 over every trace file of the run (relative path and content), in a fixed order."""
+        h = hashlib.sha256()
+        for key in sorted(self.streams):
+            for path in self.streams[key].files:
+                rel = os.path.relpath(path, self.root)
+                h.update(rel.encode() + b"\0")
+                with open(path, "rb") as f:
+                    while chunk := f.read(1 << 20):
+                        h.update(chunk)
+                h.update(b"\0")
+        return h.hexdigest()
+
+
+# ---- discovery ---------------------------------------------------------------------------------
+
+def _segments(files: list[Path]) -> dict[str, list[Path]]:
+    groups: dict[str, list[tuple[int, Path]]] = {}
+    for p in files:
+        m = _SEGMENT.match(p.name)
+        if not m:
+            continue
+        base = str(p.parent / (m["stem"] + m["suffix"]))
+        groups.setdefault(base, []).append((int(m["n"] or 0), p))
+    return {k: [p for _, p in sorted(v)] for k, v in groups.items()}
+
+
+def _first_record(path: Path) -> dict[str, Any] | None:
+    try:
+        with open(path, "rb") as f:
+            line = f.readline()
+        obj = json.loads(line) if line.endswith(b"\n") else None
+    except (OSError, ValueError):
+        return None
+    return obj if isinstance(obj, dict) else None
+
+
+def _capture_streams(run: Run, ranks_dir: Path) -> None:
+    for rank_dir in sorted(ranks_dir.iterdir()):
+        m = _RANK_DIR.fullmatch(rank_dir.name)
+        if not m or not rank_dir.is_dir():
+            continue
+        rank = int(m[1])
+        sources = _capture_sources(rank_dir)
+        files = [p for p in rank_dir.rglob("*") if p.is_file() and "_node" not in p.relative_to(rank_dir).parts]
+        for base, segs in sorted(_segments(files).items()):
+            first = next((r for r in (_first_record(s) for s in segs) if r is not None), None)
+            rel = os.path.relpath(base, rank_dir)
+            if first is None or not is_capture_record(first):
+                run.skipped.append(f"{rank_dir.name}/{rel}")
+                continue
+            name = rel
+            run.streams[(rank, name)] = Stream(KIND_CAPTURE, rank, name, segs, sources)
+
+
+def _capture_sources(rank_dir: Path) -> SourceIndex:
+    """Source files named by the capture's source index (docs/capture.md), where restored."""
+    index = SourceIndex()
+    for cand in (*rank_dir.glob("source_index*.json"), *rank_dir.glob("_node/**/source_index*.json")):
+        try:
+            data = json.loads(cand.read_text())
+        except (OSError, ValueError):
+            continue
+        entries = data.get("files", data) if isinstance(data, dict) else {}
+        if isinstance(entries, dict):
+            for original, info in entries.items():
+                rel = info.get("copy") if isinstance(info, dict) else info
+                if isinstance(rel, str):
+                    index.add(original, cand.parent / rel)
+    return index
+
+
+def _reference_sources(exec_trace: Path, gpu_dir: Path) -> SourceIndex:
+    index = SourceIndex()
+    for base in (gpu_dir, exec_trace):
+        fi = base / "source_files" / "file_index.json"
+        try:
+            data = json.loads(fi.read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(data, dict):
+            for original, info in data.items():
+                rel = info[0] if isinstance(info, list) and info else info
+                if isinstance(rel, str):
+                    index.add(original, base / rel)
+    return index
+
+
+def _reference_streams(run: Run, exec_trace: Path, gpu_dirs: list[Path]) -> None:
+    for gpu in gpu_dirs:
+        m = _GPU_DIR.fullmatch(gpu.name)
+        if not m:
+            continue
+        files = sorted(p for p in (gpu / "ops").rglob("*.jsonl") if p.is_file() and "full" not in p.parts)
+        if files:
+            rank = int(m[1])
+            run.streams[(rank, REF_STREAM)] = Stream(KIND_REFERENCE, rank, REF_STREAM, files,
+                                                    _reference_sources(exec_trace, gpu))
+
+
+def _scan(run: Run, root: Path) -> None:
+    if (root / "ranks").is_dir():
+        run.kind = KIND_CAPTURE
+        _capture_streams(run, root / "ranks")
+        return
+    exec_trace = root / "exec_trace" if (root / "exec_trace").is_dir() else root
+    gpus = sorted(p for p in exec_trace.glob("gpu_*") if p.is_dir())
+    if gpus:
+        run.kind = KIND_REFERENCE
+        _reference_streams(run, exec_trace, gpus)
+        return
+    if _GPU_DIR.fullmatch(root.name) and (root / "ops").is_dir():
+        run.kind = KIND_REFERENCE
+        _reference_streams(run, root.parent, [root])
+        return
+    if _RANK_DIR.fullmatch(root.name):
+        run.kind = KIND_CAPTURE
+        _capture_streams(run, root.parent)
+        run.streams = {k: v for k, v in run.streams.items() if k[0] == int(root.name[5:])}
+
+
+def _is_staged(path: Path) -> bool:
+    if (path / ".opguard-bundles").is_dir():
+        return True
+    return any(path.glob("sync.tar.gz")) or any(path.glob("**/sync.tar.gz"))
+
+
+@contextlib.contextmanager
+def open_run(given: str, label: str) -> Iterator[Run]:
+    """Resolve ``given`` into a :class:`Run`; a staged target is restored into a temporary dir first."""
+    from opguard.staging.restore import DamagedSource, materialize
+
+    path = Path(given)
+    if not path.exists():
+        raise ConfigError(f"compare input {label}: {given} does not exist",
+                          "pass a trace directory, a restored directory, a shared target or reference traces")
+    if path.is_file():
+        if path.name.endswith(".tar.gz"):
+            path = path.parent
+        else:
+            raise ConfigError(f"compare input {label}: {given} is a file",
+                              "pass the directory that holds the traces (or the sync.tar.gz's directory)")
+    run = Run(label, given, "", path.resolve())
+    tmp: str | None = None
+    try:
+        if _is_staged(path):
+            tmp = tempfile.mkdtemp(prefix=f"opguard-compare-{label}-")
+            dest = Path(tmp) / "restored"
+            try:
+                materialize(path, dest)
+            except DamagedSource as e:
+                raise IntegrityError(f"compare input {label}: {given} cannot be restored: {e.message}",
+                                     e.fix) from None
+            run.restored_from = str(path.resolve())
+            run.root = dest
+        _scan(run, run.root)
+        if not run.streams:
+            extra = f" (JSON-lines files that are not capture records: {', '.join(run.skipped[:5])})" \
+                if run.skipped else ""
+            raise ConfigError(
+                f"compare input {label}: no trace files in {given}{extra}",
+                "pass a directory holding ranks/rank-<R>/ capture files, exec_trace/gpu_<R>/ops/ reference "
+                "traces, or a shared target with .opguard-bundles/ or sync.tar.gz")
+        yield run
+    finally:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
