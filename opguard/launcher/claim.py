@@ -88,6 +88,14 @@ def make_claim(config: StagingConfig, node_id: str) -> bool:
     return False
 
 
+def _duty_conflict(layout: Layout) -> ConfigError:
+    return ConfigError(
+        f"another opguard-run already holds the node duties of this local base ({layout.node_duty_lock}): "
+        "two processes claim local rank 0 on one node",
+        "give each node its own OPGUARD_LOCAL_DUMP_BASE and check the launcher's local ranks "
+        "(one opguard-run torchrun per node, or one opguard-run per rank)")
+
+
 def take_node_duty(layout: Layout) -> filelock.BaseFileLock:
     """Hold the node-duty lock for the run; ConfigError if another wrapper holds it."""
     layout.locks_dir.mkdir(parents=True, exist_ok=True)
@@ -95,9 +103,20 @@ def take_node_duty(layout: Layout) -> filelock.BaseFileLock:
     try:
         lock.acquire()
     except filelock.Timeout:
-        raise ConfigError(
-            f"another opguard-run already holds the node duties of this local base ({layout.node_duty_lock}): "
-            "two processes claim local rank 0 on one node",
-            "give each node its own OPGUARD_LOCAL_DUMP_BASE and check the launcher's local ranks "
-            "(one opguard-run torchrun per node, or one opguard-run per rank)") from None
+        raise _duty_conflict(layout) from None
     return lock
+
+
+def node_duty_problem(layout: Layout) -> ConfigError | None:
+    """Read-only probe (plan and preflight): is the node-duty lock held by a live wrapper now?"""
+    if not layout.node_duty_lock.exists():
+        return None
+    lock = filelock.FileLock(str(layout.node_duty_lock), timeout=0)
+    try:
+        lock.acquire()
+    except filelock.Timeout:
+        return _duty_conflict(layout)
+    except OSError:
+        return None
+    lock.release()
+    return None

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from opguard.errors import ConfigError, OpguardError
-from opguard.launcher.claim import claim_problem
+from opguard.launcher.claim import claim_problem, node_duty_problem
 from opguard.launcher.identity import Identity, resolve
 from opguard.launcher.mounts import MOUNTINFO, filesystem_of, is_network_fstype
 from opguard.staging.config import StagingConfig
@@ -164,3 +164,7 @@ def _staging_checks(pf: Preflight, config: StagingConfig, mountinfo: Path) -> No
     claim = claim_problem(config, identity.node_id)
     if claim is not None:
         pf.problems.append(claim)
+    if identity.node_duty and not local:
+        duty = node_duty_problem(layout)
+        if duty is not None:
+            pf.problems.append(duty)

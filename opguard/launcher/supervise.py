@@ -63,7 +63,8 @@ def _prctl(option: int, arg: int) -> bool:
 
 
 def _child_preexec(ignore: tuple[signal.Signals, ...] = ()) -> None:  # in the child between fork and exec
-    _prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM))
+    # if the wrapper itself is SIGKILLed, its child must not outlive it (nor keep the GPUs)
+    _prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL))
     # A consumed warning signal is ignored by the child's tree (SIG_IGN survives exec): srun and
     # slurmstepd deliver it to every process of the step, not only to the wrapper, and its default
     # action would kill the program (torchrun with default options dies on SIGUSR1).
