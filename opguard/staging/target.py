@@ -237,7 +237,8 @@ def ensure_target(config: StagingConfig, layout: Layout, node_id: str) -> None:
     # every check passed: record the identity
     check_staging_usable(config, layout, create_state=True)
     if fmt is None:
-        (s.bundles / "streams").mkdir(parents=True, exist_ok=True)
+        s.bundles.mkdir(parents=True, exist_ok=True)  # streams/ only after format.json: a crash between
+        # the two must not leave a target that readers take for one whose format.json was lost
         doc = {"format": "opguard-bundles", "version": FORMAT_VERSION, "run_id": s.run_id,
                "created_at": time.time(), "created_by": node_id}
         if not create_exclusive(s.bundles / "format.json", dump_json(doc)):
