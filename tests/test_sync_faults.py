@@ -176,3 +176,62 @@ def test_sigkill_during_upload_then_normal_sync(staging_env: dict[str, str]) -> 
     assert [n for n in os.listdir(sd) if n.startswith(".tmp-")] == []
     lines = replay(env)["log.jsonl"].splitlines()
     assert len(lines) == 20000 and len(set(lines)) == 20000
+
+
+def test_log_rewritten_in_place_during_the_build_becomes_a_new_version(staging_env: dict[str, str],
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    env = staging_env
+    log = rank_dir(env) / "log.jsonl"
+    log.write_bytes(b'{"old":1}\n{"old":2}\n')
+    sync(env)
+    with open(log, "ab") as f:
+        f.write(b'{"old":3}\n')
+    real = BatchWriter.add_stream
+    done: list[bool] = []
+
+    def add_stream(self: BatchWriter, entry: dict[str, Any], src: Any, size: int, on_chunk: Any = None) -> str:
+        if not done:
+            done.append(True)
+            with open(log, "r+b") as f:  # truncate and regrow the same inode, past the scanned size
+                f.truncate(0)
+                f.write(b'{"NEW":1}\n{"NEW":2}\n{"NEW":3}\n')
+        return real(self, entry, src, size, on_chunk)
+
+    monkeypatch.setattr(sync_mod.BatchWriter, "add_stream", add_stream)
+    report = run(env)
+    monkeypatch.undo()
+    assert report.exit_code == 0 and done, report
+    assert report.batches == 1, report
+    assert replay(env) == {"log.jsonl": log.read_bytes()}
+
+
+def test_final_drain_is_bounded_by_what_was_visible_at_its_start(staging_env: dict[str, str],
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    env = {**staging_env, "OPGUARD_SYNC_BATCH_MB": "1"}
+    d = rank_dir(env)
+    log = d / "log.jsonl"
+    with JsonlWriter(log) as w:
+        for i in range(12000):
+            w.write({"i": i, "pad": os.urandom(100).hex()})
+    visible = log.read_bytes()
+    write_file_atomic(d / "t.pt", b"v1")
+    real_finish = BatchWriter.finish
+    finished: list[int] = []
+
+    def finish(self: BatchWriter) -> tuple[str, int]:
+        finished.append(1)
+        with JsonlWriter(log) as w:  # a producer that never stops while the drain runs
+            w.write({"late": len(finished)})
+        write_file_atomic(d / "t.pt", f"v{len(finished) + 1}".encode())
+        return real_finish(self)
+
+    monkeypatch.setattr(sync_mod.BatchWriter, "finish", finish)
+    config = StagingConfig.from_env(env)
+    report = sync_streams(config, Layout(config), ["rank-000000"], final=True, node_id="node-a")
+    monkeypatch.undo()
+    assert report.exit_code == 0 and report.streams[0].sealed
+    n = len(visible) // (1 << 20) + 2
+    assert report.batches <= n, f"{report.batches} batches for ~{n} MiB: the drain chased new data"
+    got = replay(env)
+    assert got["log.jsonl"].startswith(visible)
+    assert got["t.pt"].startswith(b"v")

@@ -203,6 +203,10 @@ def _add_append(w: BatchWriter, root: Path, c: Change, nbytes: int, cp: Checkpoi
             w.add_stream(entry, f, end - c.start)
         except OSError:
             raise _Torn(c.path) from None
+        prev = cp.files.get(c.path)
+        if (not c.new_version and prev is not None and c.start > 0
+                and tail_sha256(fd, c.start) != prev.tail_sha256):
+            raise _Torn(c.path)  # rewritten (not appended to) since the scan: rescan, it is a new version
         tail = tail_sha256(fd, end)
     # record the stat only when everything complete was taken; otherwise the next scan looks again
     size = c.stat.size if end == c.end else end
@@ -330,37 +334,49 @@ def _scan(ctx: _Ctx, cp: Checkpoint) -> tuple[list[Change], list[str]]:
     return detect(ctx.root, cp.files, w)
 
 
-def _clip(changes: list[Change], visible: dict[str, Change]) -> list[Change]:
-    """For a final drain: only data that was visible when the drain started."""
-    out: list[Change] = []
-    for c in changes:
-        v = visible.get(c.path)
-        if v is None or v.version != c.version:
-            continue
-        if c.kind == "append":
-            end = min(c.end, v.end)
-            if end <= c.start and not c.new_version:
-                continue
-            first = min(c.first_record, end - c.start)
-            c = Change(c.path, c.kind, c.version, c.start, end, first, c.stat, c.new_version)
-        out.append(c)
-    return out
+@dataclass
+class _Drain:
+    """A final drain's bound: the data visible when it began (``None`` until the first scan)."""
+
+    visible: dict[str, Change] | None = None
+    switched: set[str] = field(default_factory=set)
+
+    def clip(self, changes: list[Change]) -> list[Change]:
+        if self.visible is None:
+            self.visible = {c.path: c for c in changes}
+            return changes
+        out: list[Change] = []
+        for c in changes:
+            v = self.visible.get(c.path)
+            if v is None:
+                continue  # appeared after the drain began
+            if v.version != c.version:
+                if c.kind == "file" or c.path in self.switched:
+                    continue  # published in this drain already; a later version waits for the next sync
+                # a log rewritten since the drain began: its old data is gone; take the new version
+                # as it is now (once), and no more of it later
+                self.switched.add(c.path)
+                self.visible[c.path] = v = c
+            if c.kind == "append":
+                end = min(c.end, v.end)
+                if end <= c.start and not c.new_version:
+                    continue
+                c = Change(c.path, c.kind, c.version, c.start, end, min(c.first_record, end - c.start), c.stat,
+                           c.new_version)
+            out.append(c)
+        return out
 
 
-def _one_batch(ctx: _Ctx, cp: Checkpoint, final: bool,
-               visible: dict[str, Change] | None) -> tuple[Pending | None, int, dict[str, Change]]:
+def _one_batch(ctx: _Ctx, cp: Checkpoint, final: bool, drain: _Drain) -> tuple[Pending | None, int]:
     """Scan, plan and build the next batch, retrying around files that change while read."""
     torn: dict[str, int] = {}
     exclude: set[str] = set()
     while True:
         changes, deleted = _scan(ctx, cp)
-        if visible is None:
-            visible = {c.path: c for c in changes}
-        else:
-            changes = _clip(changes, visible)
+        if final:
+            changes = drain.clip(changes)
         try:
-            pending, backlog = _build(ctx, cp, changes, deleted, ctx.config.batch_bytes, final, exclude)
-            return pending, backlog, visible
+            return _build(ctx, cp, changes, deleted, ctx.config.batch_bytes, final, exclude)
         except _Torn as t:
             torn[t.path] = torn.get(t.path, 0) + 1
             if torn[t.path] >= TORN_RETRIES:
@@ -424,9 +440,9 @@ def _sync_stream(ctx: _Ctx, final: bool) -> None:
             changes, _ = _scan(ctx, cp)
             ctx.report.backlog_bytes = sum(c.size for c in changes)
             return
-    visible: dict[str, Change] | None = None
+    drain = _Drain()
     while True:
-        pending, backlog, visible = _one_batch(ctx, cp, final, visible)
+        pending, backlog = _one_batch(ctx, cp, final, drain)
         ctx.report.backlog_bytes = backlog
         if pending is None:
             break
