@@ -64,6 +64,8 @@ def sync_cmd(ranks: tuple[int, ...], node: bool, all_: bool, final: bool, report
     report = sync_streams(config, layout, streams, final=final, node_id=node_id, progress=progress)
     if report_json is not None:
         atomic_replace_json(report_json.absolute(), report.to_json())
+    if report.error and not report.streams:
+        click.echo(f"opguard: error: {report.error}", err=True)
     for s in report.streams:
         if s.error:
             click.echo(f"opguard: error: {s.stream}: {s.error}", err=True)

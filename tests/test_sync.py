@@ -206,3 +206,10 @@ def test_periodic_backlog_is_reported(staging_env: dict[str, str]) -> None:
     config = StagingConfig.from_env(env)
     rep = sync_streams(config, Layout(config), ["rank-000000"], node_id="node-a")
     assert rep.batches == 1 and rep.payload_bytes == 700 * 1024 and rep.backlog_bytes == 2 * 700 * 1024
+
+
+def test_all_with_a_missing_staging_base_fails_loudly(staging_env: dict[str, str]) -> None:
+    env = staging_env
+    Path(env["OPGUARD_LOCAL_DUMP_BASE"]).rmdir()
+    r = opguard(env, "sync", "--all")
+    assert r.returncode == 2 and "OPGUARD_LOCAL_DUMP_BASE" in r.stderr and "fix:" in r.stderr

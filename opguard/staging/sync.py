@@ -64,10 +64,12 @@ class SyncReport:
     final: bool
     streams: list[StreamReport] = field(default_factory=list)
     seconds: float = 0.0
+    error: str | None = None  # a problem of the whole staging base / target (also set on every stream)
+    error_code: int = 0
 
     @property
     def exit_code(self) -> int:
-        return max((s.exit_code for s in self.streams), default=0)
+        return max([self.error_code, *(s.exit_code for s in self.streams)])
 
     @property
     def batches(self) -> int:
@@ -86,7 +88,7 @@ class SyncReport:
         return sum(s.backlog_bytes for s in self.streams)
 
     def to_json(self) -> dict[str, Any]:
-        return {"final": self.final, "seconds": self.seconds, "exit_code": self.exit_code,
+        return {"final": self.final, "seconds": self.seconds, "exit_code": self.exit_code, "error": self.error,
                 "batches": self.batches, "payload_bytes": self.payload_bytes,
                 "uploaded_bytes": self.uploaded_bytes, "backlog_bytes": self.backlog_bytes,
                 "streams": [asdict(s) for s in self.streams]}
@@ -143,6 +145,7 @@ class _Ctx:
     bucket: Bucket
     progress: Progress
     report: StreamReport
+    skipped_changed: bool = False
 
     @property
     def state(self) -> Path:
@@ -331,6 +334,7 @@ def _scan(ctx: _Ctx, cp: Checkpoint) -> tuple[list[Change], list[str]]:
             ctx.progress(f"warning: {msg}")
     if set(w.skipped) - set(cp.skipped):
         cp.skipped = sorted(set(cp.skipped) | set(w.skipped))
+        ctx.skipped_changed = True
     return detect(ctx.root, cp.files, w)
 
 
@@ -454,8 +458,8 @@ def _sync_stream(ctx: _Ctx, final: bool) -> None:
                          f"{_fmt(pending.size)} compressed), {_fmt(backlog)} left")
         else:
             break
-    if not final and cp.skipped and not (ctx.state / "pending.json").exists():
-        save_checkpoint(ctx.state / "checkpoint.json", cp)
+    if ctx.skipped_changed and not (ctx.state / "pending.json").exists():
+        save_checkpoint(ctx.state / "checkpoint.json", cp)  # remember what was reported, so once only
     if final and ctx.report.exit_code == 0:
         cp = _seal(ctx, cp)
         ctx.report.sealed = True
@@ -495,6 +499,7 @@ def sync_streams(config: StagingConfig, layout: Layout, streams: Sequence[str], 
     try:
         ensure_target(config, layout, node_id)
     except OpguardError as err:
+        report.error, report.error_code = str(err), err.exit_code
         for stream in streams:
             sr = StreamReport(stream)
             sr.fail(err)
