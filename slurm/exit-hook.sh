@@ -9,7 +9,9 @@
 # or as a plain step once srun has returned:
 #   srun ... opguard-run ... ; /path/to/opguard/slurm/exit-hook.sh
 # It runs  srun -n $SLURM_NNODES --ntasks-per-node=1 opguard sync --all --final  (one per node,
-# --overlap so it also starts while another step still holds the CPUs).
+# --overlap so it also starts while another step still holds the CPUs), except on nodes where
+# nothing was ever staged (no ranks/, node/ or stream state), so a job that opguard-run refused to
+# start leaves the shared target untouched.
 #
 # Bounded in time: OPGUARD_EXIT_HOOK_TIMEOUT seconds if set, else the job's remaining time
 # (squeue %L) minus OPGUARD_EXIT_HOOK_MARGIN (default 15 s) so the hook ends before Slurm's kill.
@@ -52,6 +54,11 @@ say "draining on $SLURM_NNODES node(s) of job $SLURM_JOB_ID, at most ${T} s"
 timeout --kill-after=5 "$T" srun --overlap -n "$SLURM_NNODES" -N "$SLURM_NNODES" --ntasks-per-node=1 \
   --kill-on-bad-exit=0 bash -c '
     node=${OPGUARD_NODE_ID:-${SLURMD_NODENAME:-$(hostname)}}
+    b=$OPGUARD_LOCAL_DUMP_BASE
+    if [ -z "$(ls -A "$b/ranks" "$b/node" "$b/state/streams" 2>/dev/null)" ]; then
+      # nothing was ever staged here (e.g. opguard-run refused to start): do not touch the target
+      echo "opguard exit-hook: node=$node nothing staged in $b" >&2; exit 0
+    fi
     opguard sync --all --final; rc=$?
     pending=$(ls "$OPGUARD_LOCAL_DUMP_BASE"/state/streams/*/pending.json 2>/dev/null | wc -l)
     echo "opguard exit-hook: node=$node rc=$rc pending_batches=$pending" >&2

@@ -28,6 +28,8 @@ def main() -> None:
     ap.add_argument("--file-bytes", type=int, default=4096)
     ap.add_argument("--dist", choices=("torch", "mpi", "none"), default="none")
     ap.add_argument("--exit-code", type=int, default=0)
+    ap.add_argument("--started", default=None, help="append this host's name to this file at start")
+    ap.add_argument("--hold", type=float, default=0.0, help="seconds to stay alive after the last step")
     a = ap.parse_args()
 
     barrier: Any = None
@@ -50,6 +52,9 @@ def main() -> None:
         rank = int(os.environ.get("RANK") or os.environ.get("OPGUARD_RANK") or os.environ.get("SLURM_PROCID") or 0)
 
     host = socket.gethostname()
+    if a.started:
+        with open(a.started, "a") as f:
+            f.write(f"{host} {rank}\n")
     pad = "x" * a.pad
     with writers.open_jsonl("trace.jsonl", rank=rank) as log:
         for step in range(a.steps):
@@ -63,6 +68,7 @@ def main() -> None:
                                 for i in range(a.file_bytes // 32))
                 writers.write_rank_file(f"tensors/step-{step:05d}.bin", blob, rank=rank)
             time.sleep(a.sleep)
+    time.sleep(a.hold)
     if a.dist == "torch":
         import torch.distributed as dist
 
