@@ -155,3 +155,27 @@ def test_a_record_cut_short_by_an_error_is_rolled_back(tmp_path: Path, monkeypat
     w.write({"ok": 2})
     w.close()
     assert (tmp_path / "t.jsonl").read_bytes() == b'{"ok":1}\n{"ok":2}\n'
+
+
+def test_atomic_file_context_publishes_on_success_only(tmp_path: Path) -> None:
+    from opguard.staging.writers import atomic_file
+
+    p = tmp_path / "t" / "x.pt"
+    with atomic_file(p) as f:
+        f.write(b"part1")
+        assert not p.exists()  # nothing visible until the end
+        f.write(b"part2")
+    assert p.read_bytes() == b"part1part2"
+    with pytest.raises(RuntimeError), atomic_file(p) as f:
+        f.write(b"garbage")
+        raise RuntimeError("producer failed")
+    assert p.read_bytes() == b"part1part2"
+    assert [x.name for x in p.parent.iterdir()] == ["x.pt"]
+
+
+def test_atomic_rank_file(staging_env: dict[str, str]) -> None:
+    from opguard.staging.writers import atomic_rank_file
+
+    with atomic_rank_file("tensors/a.pt", rank=1, env=staging_env) as f:
+        f.write(b"T")
+    assert (Path(staging_env["OPGUARD_LOCAL_DUMP_BASE"]) / "ranks/rank-000001/tensors/a.pt").read_bytes() == b"T"

@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from opguard.errors import ConfigError
 from opguard.staging.config import StagingConfig
@@ -157,28 +158,37 @@ class JsonlWriter:
         self.close()
 
 
-def write_file_atomic(path: str | os.PathLike[str], data: bytes | bytearray | memoryview) -> Path:
-    """Publish ``data`` at ``path`` atomically: temp ``.opguard-tmp-*`` in the same directory,
-    fsync, rename, fsync the directory. Readers (the uploader) see the old or the new file."""
+@contextmanager
+def atomic_file(path: str | os.PathLike[str]) -> Iterator[BinaryIO]:
+    """Write a whole file through a file object (e.g. ``torch.save(obj, f)``), published atomically.
+
+    The data goes to ``.opguard-tmp-<name>.<random>`` in the same directory; on a clean exit it is
+    fsynced, renamed to ``path`` and the directory fsynced. On an exception the temporary is
+    removed and ``path`` is untouched.
+    """
     final = Path(path)
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = tmp_name(final, WRITER_TMP_PREFIX)
+    f = open(tmp, "xb")  # noqa: SIM115 (closed on every path below)
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
-        try:
-            view = memoryview(data)
-            while view:
-                n = os.write(fd, view)
-                view = view[n:]
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        yield f
+        f.flush()
+        os.fsync(f.fileno())
+        f.close()
         os.replace(tmp, final)
     except BaseException:
+        f.close()
         tmp.unlink(missing_ok=True)
         raise
     fsync_dir(final.parent)
-    return final
+
+
+def write_file_atomic(path: str | os.PathLike[str], data: bytes | bytearray | memoryview) -> Path:
+    """Publish ``data`` at ``path`` atomically: temp ``.opguard-tmp-*`` in the same directory,
+    fsync, rename, fsync the directory. Readers (the uploader) see the old or the new file."""
+    with atomic_file(path) as f:
+        f.write(data)
+    return Path(path)
 
 
 # ---- resolving where this process writes ------------------------------------------------------
@@ -272,3 +282,10 @@ def write_node_file(relpath: str | os.PathLike[str], data: bytes | bytearray | m
     """Atomically write a whole file under this node's metadata directory."""
     rel = check_relpath(relpath)
     return write_file_atomic(node_dir(env) / rel, data)
+
+
+def atomic_rank_file(relpath: str | os.PathLike[str], rank: int | None = None,
+                     env: Mapping[str, str] | None = None) -> AbstractContextManager[BinaryIO]:
+    """:func:`atomic_file` for ``relpath`` under this rank's directory (``with ... as f: torch.save(x, f)``)."""
+    rel = _rank_relpath(relpath)
+    return atomic_file(rank_dir(rank, env) / rel)
