@@ -39,7 +39,8 @@ class Run:
         """Host path of ``node``'s local base."""
         return self.cluster.local_ssd(node) / self.name
 
-    def env(self, app_args: str, interval: float = 3, mbps: float = 50, **extra: str) -> dict[str, str]:
+    def env(self, app_args: str, interval: float = 3, mbps: float = 50, extra: dict[str, str] | None = None,
+            **more: str) -> dict[str, str]:
         env = {
             "OPGUARD_VENV": str(BIN.parent),
             "OPGUARD_EXIT_HOOK": str(SLURM_DIR / "exit-hook.sh"),
@@ -52,7 +53,8 @@ class Run:
             "OPGUARD_SYNC_LOCK_TIMEOUT": "20",
             "PYTHONUNBUFFERED": "1",
         }
-        env.update(extra)
+        env.update(extra or {})
+        env.update(more)
         return env
 
     def submit(self, template: str, *sbatch_args: str, env: dict[str, str]) -> int:

@@ -41,7 +41,7 @@ def test_misconfiguration_fails_fast_and_leaves_the_target_untouched(
         extra["OPGUARD_NODE_ID"] = "trainer"
         expect = ["trainer"]
     marker = workdir / "app-started"
-    env = run.env(f"--steps 5 --sleep 0.1 --started {marker}", interval=3, **extra)
+    env = run.env(f"--steps 5 --sleep 0.1 --started {marker}", interval=3, extra=extra)
     job = cluster.wait(run.submit("srun-per-rank", "-N", "3", "--ntasks-per-node=1", "-t", "2", env=env), 120)
     out = run.output(job.job_id)
     assert job.state == "FAILED", (job.fields, out[-3000:])
