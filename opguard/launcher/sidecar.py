@@ -8,6 +8,7 @@ sync is reported on stderr and retried at the next interval, never fatal to the 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -40,6 +41,10 @@ def sync_argv(identity: Identity, final: bool, report: Path) -> list[str]:
         args.append("--final")
     args += ["--report-json", str(report), "--quiet"]
     return args
+
+
+def _nice_child() -> None:  # in the sync child before exec: it never runs at normal priority
+    os.setpriority(os.PRIO_PROCESS, 0, 19)
 
 
 def lower_priority(pid: int) -> None:
@@ -133,7 +138,7 @@ class Sidecar:
             self.say("opguard-run: starting " + " ".join(argv[3:]))
         with open(errpath, "wb") as err:
             proc = subprocess.Popen(argv, env=self.env, stdin=subprocess.DEVNULL, stdout=err, stderr=err,
-                                    start_new_session=True)
+                                    start_new_session=True, preexec_fn=_nice_child)
         lower_priority(proc.pid)
         self.running = RunningSync(self.count, final, proc, time.monotonic(), report, errpath)
         return self.running

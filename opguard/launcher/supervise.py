@@ -38,7 +38,7 @@ from opguard.launcher.sidecar import Sidecar, SyncResult, node_env
 
 PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
-TREE_REFRESH_S = 1.0
+TREE_REFRESH_S = 5.0  # the subreaper keeps orphans in the tree; the snapshot is a second net
 
 
 @dataclass
@@ -340,6 +340,7 @@ class Supervisor:
     def _kill_tree(self) -> None:
         self.kill_at = None
         assert self.child is not None
+        self.tree.refresh({self.sidecar.pid} if self.sidecar and self.sidecar.pid else set())
         if self.child_code is None:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(self.child.pid, signal.SIGKILL)
