@@ -63,6 +63,7 @@ from opguard.staging.ratelimit import TokenBucket
 MIB = 1 << 20
 PERIODIC, DRAIN_WARNING, DRAIN_TERM = 0, 1, 2
 PHASES = ("periodic", "drain-warning", "drain-term")
+SETTLE_INTERVALS = 5  # "steady" figures leave out the first five intervals
 
 
 @dataclass(frozen=True)
@@ -85,6 +86,7 @@ class Workload:
     warning_s: float = 0.0  # --signal=B:USR1@W; 0: no warning, the drain starts at SIGTERM
     chunk_bytes: int = 0  # bytes per bucket.consume() call; 0: the whole batch in one call
     salt: str = ""  # opguard-run calls stagger_offset without a salt
+    grid: bool = False  # next sync on the fixed grid offset + m·interval (skipping missed ones), not start + interval
     reference_node_lock: bool = True  # opguard 0.1.0 serializes a node's uploads; False: every rank on its own
     seed: int = 1
 
@@ -262,7 +264,7 @@ def simulate_node_ours(k: int, w: Workload, rec: Record) -> None:
     ratio = w.compress_ratio
     drains = [(w.job_seconds - w.warning_s, DRAIN_WARNING)] if w.warning_s else []
     drains.append((w.job_seconds, DRAIN_TERM))
-    next_sync = schedule.stagger_offset(k, w.nodes, w.interval, w.salt)
+    next_sync = offset = schedule.stagger_offset(k, w.nodes, w.interval, w.salt)
     rec.ops += (0.0, 0.0)  # preflight: the node claim (docs/format.md §5.3), created then linked
     if k == 0:
         rec.ops += (0.0, 0.0)  # format.json, created once by whoever comes first
@@ -283,6 +285,8 @@ def simulate_node_ours(k: int, w: Workload, rec: Record) -> None:
                     current.append((vc.now, payload))
                     batches[i] += 1
             next_sync = started + w.interval
+            if w.grid and vc.now > next_sync:  # overran: wait for the node's own slot, keeping the stagger
+                next_sync = offset + w.interval * math.ceil((vc.now - offset) / w.interval)
         # unpublished when the drain is requested, counting what the running sync published after that
         backlog = sum(s.backlog(t_drain) for s in streams) + sum(p for e, p in current if e > t_drain)
         vc.now = max(vc.now, t_drain)
@@ -452,17 +456,19 @@ def summarize(w: Workload, rec: Record, step: float = 1.0) -> dict[str, Any]:
     start, end = np.asarray(rec.start), np.asarray(rec.end)
     nbytes, phase = np.asarray(rec.nbytes), np.asarray(rec.phase)
     per = phase == PERIODIC
-    steady = per & (start >= 2 * w.interval) & (end <= w.job_seconds - w.interval - w.warning_s)
+    settle = SETTLE_INTERVALS * w.interval  # the first syncs carry uneven amounts; see docs/sizing.md
+    stop = w.job_seconds - w.interval - w.warning_s
+    steady = per & (start >= settle) & (end <= stop)
     peak, counts, weights = in_flight(start[per], end[per])
     s_peak, s_counts, s_weights = in_flight(start[steady], end[steady])
     horizon = float(end.max()) if end.size else w.job_seconds
     grid = np.arange(0.0, horizon + step, step)
     cum = bytes_by(start, end, nbytes, grid)
     rate = np.diff(cum) / step
-    inner = (grid[1:] > 2 * w.interval) & (grid[1:] <= w.job_seconds - w.interval - w.warning_s)
+    inner = (grid[1:] > settle) & (grid[1:] <= stop)
     ops = np.asarray(rec.ops)
     per_min = np.bincount((ops // 60).astype(np.int64)) if ops.size else np.zeros(1)
-    steady_min = per_min[2:max(3, int((w.job_seconds - w.interval - w.warning_s) // 60))]
+    steady_min = per_min[math.ceil(settle / 60):max(math.ceil(settle / 60) + 1, int(stop // 60))]
     drain_peak = {PHASES[kd]: in_flight(start[phase == kd], end[phase == kd])[0] for kd in (DRAIN_WARNING, DRAIN_TERM)}
     return {
         "uploads": int(start.size),
@@ -675,6 +681,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warning", type=float, default=0.0, help="--signal warning (s); default: the plan's")
     ap.add_argument("--chunk-mib", type=float, default=0.0, help="bytes per bucket.consume (0: whole batch)")
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="processes (nodes are independent)")
+    ap.add_argument("--grid", action="store_true",
+                    help="after an overrun, wait for the node's next slot (offset + m·interval), not at once")
     ap.add_argument("--reference-per-rank", action="store_true",
                     help="also simulate the reference without its node-local upload lock")
     ap.add_argument("--table", default="", help="comma-separated node counts: print a markdown table instead")
@@ -684,7 +692,7 @@ def main(argv: list[str] | None = None) -> int:
     base = Workload(nodes=a.nodes, ranks=a.ranks, job_seconds=a.hours * 3600, interval=a.interval,
                     batch_bytes=a.batch_mib * MIB, cap_mib_s=a.mbps, jsonl_bytes_per_s=a.jsonl_mib_s * MIB,
                     file_bytes=int(a.file_mib * MIB), file_period=a.file_period, compress_ratio=a.compress,
-                    kill_wait=a.kill_wait, warning_s=a.warning, chunk_bytes=int(a.chunk_mib * MIB))
+                    kill_wait=a.kill_wait, warning_s=a.warning, chunk_bytes=int(a.chunk_mib * MIB), grid=a.grid)
     if a.table:
         rows = [run(replace(base, nodes=int(n)), a.jobs) for n in a.table.split(",")]
         print(table(rows))
