@@ -497,7 +497,13 @@ def sync_streams(config: StagingConfig, layout: Layout, streams: Sequence[str], 
     say: Progress = progress or (lambda _msg: None)
     report = SyncReport(final=final)
     try:
-        ensure_target(config, layout, node_id)
+        try:
+            ensure_target(config, layout, node_id)
+        except OSError as e:  # e.g. a full target while format.json is created: no traceback, exit 4
+            raise PublishError(f"recording the run identity on the target failed: {e.strerror or e} "
+                               f"(errno {e.errno}, {e.filename or staging_of(config).bundles})",
+                               "free space or quota on the shared target (or fix its permissions) and sync "
+                               "again; nothing was published") from None
     except OpguardError as err:
         report.error, report.error_code = str(err), err.exit_code
         for stream in streams:
