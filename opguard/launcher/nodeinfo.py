@@ -126,17 +126,22 @@ def program_paths(cmd: Sequence[str]) -> list[Path]:
     return found
 
 
-def source_index(cmd: Sequence[str]) -> tuple[Path | None, list[dict[str, Any]]]:
-    """(root, entries): the program's directory and its source files, bounded in count and bytes."""
+def source_index(cmd: Sequence[str], exclude: Sequence[Path] = ()) -> tuple[Path | None, list[dict[str, Any]]]:
+    """(root, entries): the program's directory and its source files, bounded in count and bytes.
+
+    ``exclude``: directories never indexed (the staging base and the target, when the program's
+    directory contains them)."""
     progs = program_paths(cmd)
     if not progs:
         return None, []
     root = progs[0].parent
+    skip = {os.path.realpath(p) for p in exclude}
     entries: list[dict[str, Any]] = []
     total = 0
     paths = [progs[0]]
     for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = sorted(d for d in dirnames if d not in SKIP_DIRS and not d.startswith("."))
+        dirnames[:] = sorted(d for d in dirnames if d not in SKIP_DIRS and not d.startswith(".")
+                             and os.path.realpath(os.path.join(dirpath, d)) not in skip)
         paths.extend(Path(dirpath) / f for f in sorted(filenames) if f.endswith(SOURCE_SUFFIXES))
         if len(paths) > MAX_SOURCE_FILES:
             break
@@ -155,11 +160,12 @@ def source_index(cmd: Sequence[str]) -> tuple[Path | None, list[dict[str, Any]]]
     return root, entries
 
 
-def write_node_metadata(node_dir: Path, identity: Identity, cmd: Sequence[str], env: Mapping[str, str]) -> int:
+def write_node_metadata(node_dir: Path, identity: Identity, cmd: Sequence[str], env: Mapping[str, str],
+                        exclude: Sequence[Path] = ()) -> int:
     """Write node.json, source-index.json and source copies; returns the number of source files."""
     node_dir.mkdir(parents=True, exist_ok=True)
     write_file_atomic(node_dir / "node.json", dump_json(node_metadata(identity, cmd, env)))
-    root, entries = source_index(cmd)
+    root, entries = source_index(cmd, exclude)
     for e in entries:
         assert root is not None
         dest = node_dir / "source" / e["path"]

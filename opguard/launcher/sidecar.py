@@ -21,7 +21,6 @@ from typing import Any
 import psutil
 
 from opguard.launcher.identity import Identity
-from opguard.staging.config import MIB
 
 _ENTRY = "import sys; sys.argv[0] = 'opguard'; from opguard.cli import main; main()"
 
@@ -90,9 +89,9 @@ class SyncResult:
         batches = int(r.get("batches", 0))
         up = float(r.get("uploaded_bytes", 0))
         backlog = float(r.get("backlog_bytes", 0))
-        rate = up / self.seconds / MIB if self.seconds > 0 else 0.0
+        rate = up / self.seconds if self.seconds > 0 else 0.0
         head = (f"opguard-run: {kind} {'ok' if self.ok else f'FAILED (exit {self.exit_code})'}: {batches} batch(es), "
-                f"{fmt_bytes(up)} in {self.seconds:.1f} s ({rate:.1f} MiB/s), backlog {fmt_bytes(backlog)}")
+                f"{fmt_bytes(up)} in {self.seconds:.1f} s ({fmt_bytes(rate)}/s), backlog {fmt_bytes(backlog)}")
         if self.final and self.ok:
             sealed = sum(1 for s in r.get("streams", []) if s.get("sealed"))
             head += f", {sealed} stream(s) sealed"

@@ -394,7 +394,9 @@ class Supervisor:
         for r in self.identity.owned_ranks() or []:
             layout.rank_dir(r).mkdir(parents=True, exist_ok=True)  # the rank's stream exists from the start
         if self.identity.node_duty:
-            n = write_node_metadata(layout.node_dir(self.identity.node_id), self.identity, self.cmd, env)
+            c = self.config
+            exclude = [p for p in (c.local_base, c.target, c.output_base) if p is not None]
+            n = write_node_metadata(layout.node_dir(self.identity.node_id), self.identity, self.cmd, env, exclude)
             if self.opts.verbose:
                 self.say(f"opguard-run: node metadata written ({n} source file(s) indexed)")
         cap = effective_cap(self.config, self.identity.node_count).cap_mib_s

@@ -58,7 +58,7 @@ def test_quiet_and_verbose_progress(staging_env: dict[str, str], tmp_path: Path)
     assert v.returncode == 0, v.stderr
     assert "opguard-run plan:" in v.stderr and "starting sync --rank 0 --node" in v.stderr
     sync_lines = [line for line in v.stderr.splitlines() if " sync #" in line]
-    assert sync_lines and all("batch(es)" in x and "MiB/s" in x and "backlog" in x for x in sync_lines)
+    assert sync_lines and all("batch(es)" in x and "/s)" in x and "backlog" in x for x in sync_lines)
     assert v.stdout == ""
 
 
@@ -127,6 +127,10 @@ def test_node_metadata_filters_secrets_and_indexes_the_program(tmp_path: Path) -
     assert root == tmp_path.resolve()
     assert sorted(f["path"] for f in files) == ["pkg/model.py", "train.py"]
     assert program_paths(["python", "-u", str(tmp_path / "train.py")]) == [(tmp_path / "train.py").resolve()]
+    (tmp_path / "local-ssd" / "node").mkdir(parents=True)
+    (tmp_path / "local-ssd" / "node" / "node.json").write_text("{}")
+    _root, files = source_index(cmd, exclude=[tmp_path / "local-ssd"])
+    assert sorted(f["path"] for f in files) == ["pkg/model.py", "train.py"]  # the staging base is never indexed
     assert program_paths(["python", "-m", "x"]) == []
 
 
