@@ -1,0 +1,156 @@
+"""Capture overhead on a small transformer training step (CPU): step time with capture vs without
+in the same process (alternating blocks), trace bytes per step, peak extra RSS (separate processes).
+
+    .venv/bin/python bench/capture_bench.py [--layers 4 --width 256 --seq 128 --batch 8 --steps 6]
+        [--modes full,sample,xor,none] [--level function] [--threads 1] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+
+def setup(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+    import torch
+
+    from tests.capture.progs.models import Transformer
+
+    torch.manual_seed(0)
+    vocab = 512
+    model = Transformer(args.layers, args.width, max(1, args.width // 64), vocab, args.seq)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(1)
+    idx = torch.randint(0, vocab, (args.batch, args.seq), generator=g)
+    tgt = torch.randint(0, vocab, (args.batch, args.seq), generator=g)
+    return model, opt, idx, tgt
+
+
+def timed_steps(model, opt, idx, tgt, n: int) -> list[float]:  # type: ignore[no-untyped-def]
+    from tests.capture.progs.models import transformer_step
+
+    out = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        transformer_step(model, opt, idx, tgt)
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def trace_bytes(base: Path) -> int:
+    return sum(p.stat().st_size for p in base.rglob("*") if p.is_file())
+
+
+def run_times(args: argparse.Namespace) -> dict[str, object]:
+    import torch
+
+    import opguard.capture as oc
+
+    torch.set_num_threads(args.threads)
+    model, opt, idx, tgt = setup(args)
+    timed_steps(model, opt, idx, tgt, 2)  # warm-up (allocator, kernels)
+    base_times: list[float] = []
+    cap_times: dict[str, list[float]] = {m: [] for m in args.modes}
+    bytes_per_step: dict[str, float] = {}
+    tmp = Path(tempfile.mkdtemp(prefix="capbench-"))
+    for rnd in range(args.rounds):
+        base_times += timed_steps(model, opt, idx, tgt, args.steps)
+        for mode in args.modes:
+            out = tmp / f"{mode}-{rnd}"
+            env = {"OPGUARD_TRACE_OUTPUT_BASE": str(out)}
+            with oc.capture(env=env, digest=mode, level=args.level, buffer=args.buffer):
+                times = []
+                for i in range(args.steps):
+                    oc.step(i)
+                    t0 = time.perf_counter()
+                    from tests.capture.progs.models import transformer_step
+                    transformer_step(model, opt, idx, tgt)
+                    times.append(time.perf_counter() - t0)
+            # the final flush at exit is part of the cost: spread it over the steps
+            cap_times[mode] += times
+            bytes_per_step[mode] = trace_bytes(out) / args.steps
+    base = statistics.median(base_times)
+    res: dict[str, object] = {"baseline_step_s": base, "modes": {}}
+    for mode in args.modes:
+        med = statistics.median(cap_times[mode])
+        res["modes"][mode] = {"step_s": med, "ratio": med / base,  # type: ignore[index]
+                              "trace_bytes_per_step": int(bytes_per_step[mode])}
+    return res
+
+
+def peak_rss(args: argparse.Namespace, mode: str | None) -> int:
+    code = (f"import sys; sys.argv=['x','--child-rss',{mode or ''!r},'--layers','{args.layers}','--width',"
+            f"'{args.width}','--seq','{args.seq}','--batch','{args.batch}','--steps','{args.steps}',"
+            f"'--threads','{args.threads}','--level','{args.level}']; "
+            f"exec(open({str(Path(__file__))!r}).read())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    return int(out.stdout.strip().splitlines()[-1])
+
+
+def child_rss(args: argparse.Namespace) -> None:
+    import torch
+
+    import opguard.capture as oc
+    from tests.capture.progs.models import transformer_step
+
+    torch.set_num_threads(args.threads)
+    model, opt, idx, tgt = setup(args)
+    if args.child_rss:
+        with tempfile.TemporaryDirectory() as d, oc.capture(env={"OPGUARD_TRACE_OUTPUT_BASE": d},
+                                                            digest=args.child_rss, level=args.level):
+            for i in range(args.steps):
+                oc.step(i)
+                transformer_step(model, opt, idx, tgt)
+    else:
+        for _ in range(args.steps):
+            transformer_step(model, opt, idx, tgt)
+    print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--width", type=int, default=256)
+    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--buffer", type=int, default=256)
+    ap.add_argument("--level", default="function")
+    ap.add_argument("--modes", default="full,sample,xor,none")
+    ap.add_argument("--no-rss", action="store_true")
+    ap.add_argument("--json", type=Path)
+    ap.add_argument("--child-rss", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    args.modes = [m for m in args.modes.split(",") if m]
+    if args.child_rss is not None:
+        child_rss(args)
+        return
+    res = run_times(args)
+    if not args.no_rss:
+        base_rss = peak_rss(args, None)
+        res["baseline_peak_rss_mib"] = round(base_rss / 2**20, 1)
+        for mode in args.modes:
+            extra = peak_rss(args, mode) - base_rss
+            res["modes"][mode]["peak_extra_rss_mib"] = round(extra / 2**20, 1)  # type: ignore[index]
+    res["config"] = {k: v for k, v in vars(args).items() if k not in ("json", "child_rss")}
+    res["cpu_count"] = os.cpu_count()
+    print(json.dumps(res, indent=1, default=str))
+    if args.json:
+        args.json.write_text(json.dumps(res, indent=1, default=str))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,121 @@
+"""What ``opguard-run --capture`` installs in every Python child (``docs/capture.md`` §1).
+
+:func:`child_env` is pure and imports no torch: the launcher calls it to build the child's
+environment. The ``_site`` directory it puts first on ``PYTHONPATH`` holds a ``sitecustomize``
+that calls :func:`install_hook` in every Python process: capture starts right after the program
+imports ``torch`` — except in the torchrun agent — and stops at interpreter exit.
+"""
+
+from __future__ import annotations
+
+import atexit
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import os
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+from opguard.capture.options import CaptureOptions
+from opguard.errors import ConfigError
+
+SITE_DIR = Path(__file__).resolve().parent / "_site"
+ENABLE = "OPGUARD_CAPTURE"
+_AGENT_MODULES = ("torch.distributed.run", "torch.distributed.launch", "torch.distributed.elastic.agent")
+
+
+def child_env(env: Mapping[str, str], options: CaptureOptions | None = None) -> dict[str, str]:
+    """The environment for a child that must capture: ``env`` plus ``OPGUARD_CAPTURE=1``, the
+    options as ``OPGUARD_CAPTURE_*`` and the bootstrap directory first on ``PYTHONPATH``.
+
+    ``options`` defaults to the ``OPGUARD_CAPTURE_*`` already in ``env`` (validated here, so a bad
+    value fails in the wrapper before any child starts)."""
+    opts = CaptureOptions.from_env(env) if options is None else options
+    if not (SITE_DIR / "sitecustomize.py").is_file():
+        raise ConfigError(f"the capture bootstrap {SITE_DIR / 'sitecustomize.py'} is missing",
+                          "reinstall opguard (the package data is incomplete)")
+    out = dict(env)
+    out.update(opts.to_env())
+    out[ENABLE] = "1"
+    parts = [p for p in out.get("PYTHONPATH", "").split(os.pathsep) if p and p != str(SITE_DIR)]
+    # the opguard package must be importable from the child's interpreter as well
+    pkg_root = str(Path(__file__).resolve().parent.parent.parent)
+    out["PYTHONPATH"] = os.pathsep.join([str(SITE_DIR), *parts, *([] if pkg_root in parts else [pkg_root])])
+    return out
+
+
+def is_agent(orig_argv: Sequence[str], argv: Sequence[str]) -> bool:
+    """True in the torchrun/launch agent process (it imports torch but runs no user code):
+    ``torchrun ...`` or ``python -m torch.distributed.run|launch ...``."""
+    if argv and os.path.basename(argv[0]) in ("torchrun", "torchrun.exe"):
+        return True
+    args = list(orig_argv)
+    for i, a in enumerate(args[1:], 1):
+        if a == "-m":
+            return i + 1 < len(args) and args[i + 1].startswith(_AGENT_MODULES)
+        if a.startswith("-m") and len(a) > 2:
+            return a[2:].startswith(_AGENT_MODULES)
+        if not a.startswith("-"):
+            return os.path.basename(a) in ("torchrun", "torchrun.exe")
+    return False
+
+
+def enabled(env: Mapping[str, str]) -> bool:
+    return env.get(ENABLE, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+_started: list[Any] = []
+
+
+def start_capture() -> None:
+    """Start capture in this process now (torch is imported), unless it is the torchrun agent."""
+    if _started:
+        return
+    if is_agent(getattr(sys, "orig_argv", []), sys.argv):
+        return
+    from opguard.capture import api
+
+    cap = api.Capture(CaptureOptions.from_env(os.environ)).start()
+    _started.append(cap)
+    atexit.register(cap.stop)
+
+
+class _TorchHook(importlib.abc.MetaPathFinder):
+    """Runs :func:`start_capture` right after the first ``import torch`` finishes."""
+
+    def find_spec(self, fullname: str, path: Sequence[str] | None = None,
+                  target: ModuleType | None = None) -> importlib.machinery.ModuleSpec | None:
+        if fullname != "torch":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec("torch")
+        if spec is None or spec.loader is None:
+            return spec
+        loader = spec.loader
+        original = loader.exec_module
+
+        def exec_module(module: ModuleType) -> None:
+            original(module)
+            try:
+                start_capture()
+            except Exception as e:
+                print(f"opguard capture: cannot start capture in pid {os.getpid()}: {e}", file=sys.stderr, flush=True)
+                raise
+
+        loader.exec_module = exec_module  # type: ignore[method-assign]
+        return spec
+
+
+def install_hook() -> None:
+    """Called by the bootstrap ``sitecustomize``: capture once torch is imported."""
+    if not enabled(os.environ):
+        return
+    # validate now: a bad option fails at interpreter start, before the program runs
+    CaptureOptions.from_env(os.environ)
+    if "torch" in sys.modules:
+        start_capture()
+    else:
+        sys.meta_path.insert(0, _TorchHook())

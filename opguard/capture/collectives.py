@@ -1,0 +1,112 @@
+"""``torch.distributed`` collectives recorded as such (``api: collective``, ``docs/capture.md`` §3.2).
+
+The public functions of ``torch.distributed`` are wrapped while capture runs and restored after.
+Inputs are summarised before the call, in-place and output tensors after it (``fresh``: never
+from the cache, whatever ``_version`` says).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from opguard.capture.mode import tensors_in
+from opguard.capture.session import Session
+
+# name -> (parameters written by the collective, parameters only written: not summarised as inputs)
+COLLECTIVES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "all_reduce": (("tensor",), ()),
+    "broadcast": (("tensor",), ()),
+    "reduce": (("tensor",), ()),
+    "all_gather": (("tensor_list",), ("tensor_list",)),
+    "all_gather_into_tensor": (("output_tensor",), ("output_tensor",)),
+    "reduce_scatter": (("output",), ("output",)),
+    "reduce_scatter_tensor": (("output",), ("output",)),
+    "all_to_all": (("output_tensor_list",), ("output_tensor_list",)),
+    "all_to_all_single": (("output",), ("output",)),
+    "send": ((), ()),
+    "recv": (("tensor",), ("tensor",)),
+    "isend": ((), ()),
+    "irecv": (("tensor",), ("tensor",)),
+    "barrier": ((), ()),
+    "scatter": (("tensor",), ("tensor",)),
+    "gather": (("gather_list",), ("gather_list",)),
+}
+ASYNC_ALWAYS = ("isend", "irecv")
+
+
+def _wrap(session: Session, name: str, orig: Callable[..., Any]) -> Callable[..., Any]:
+    sig = inspect.signature(orig)
+    written, only_written = COLLECTIVES[name]
+    fn = f"torch.distributed.{name}"
+
+    @functools.wraps(orig)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        s = session
+        if not s.active or s.busy:
+            return orig(*args, **kwargs)
+        try:
+            bound = sig.bind(*args, **kwargs)
+        except TypeError:
+            return orig(*args, **kwargs)  # let torch raise its own error
+        arguments = bound.arguments
+        site = s.sites.lookup(sys._getframe(1))
+        call = s.begin("collective", fn, site)
+        rec = call.rec
+        s.inputs(call, [st for p, v in arguments.items() if p not in only_written for st in tensors_in(v, p)])
+        group = arguments.get("group")
+        try:
+            rec["group_size"] = dist.get_world_size(group) if dist.is_initialized() else None
+        except Exception:  # a group this rank is not part of
+            rec["group_size"] = None
+        if "op" in arguments:
+            rec["op"] = getattr(arguments["op"], "name", str(arguments["op"]))
+        is_async = name in ASYNC_ALWAYS or bool(arguments.get("async_op", False))
+        s.parents.append(rec["seq"])
+        try:
+            result = orig(*args, **kwargs)
+        except BaseException as e:
+            rec["error"] = f"{type(e).__name__}: {e}"[:500]
+            raise
+        finally:
+            s.parents.pop()
+        if is_async:
+            rec["async"] = True
+        elif not s.cap_reached:
+            s.outputs(call, [st for p in written for st in tensors_in(arguments.get(p), p)], fresh=True)
+        s.maybe_flush()
+        return result
+
+    return wrapper
+
+
+class Collectives:
+    """Install/uninstall the wrappers on the ``torch.distributed`` module."""
+
+    def __init__(self, session: Session) -> None:
+        self.session = session
+        self.saved: dict[str, Any] = {}
+
+    def install(self) -> None:
+        if not dist.is_available():
+            return
+        for name in COLLECTIVES:
+            orig = getattr(dist, name, None)
+            if orig is None or not callable(orig):
+                continue
+            self.saved[name] = orig
+            setattr(dist, name, _wrap(self.session, name, orig))
+
+    def uninstall(self) -> None:
+        for name, orig in self.saved.items():
+            setattr(dist, name, orig)
+        self.saved.clear()
+
+
+__all__ = ["COLLECTIVES", "Collectives", "torch"]

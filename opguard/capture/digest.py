@@ -1,0 +1,217 @@
+"""Content digests and fused output statistics, computed on the tensor's device (``docs/capture.md`` §5).
+
+Nothing here synchronises with the device: every function returns small device tensors (an int64
+scalar per digest, six float64 values per statistics row) that the session stacks and fetches
+in batches. The final mixing of a digest (with the element count) happens on the host.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+
+MASK64 = (1 << 64) - 1
+GOLDEN = 0x9E3779B97F4A7C15
+TABLE_SEED = 0x6F70677561726431  # "opguard1"
+BLOCK_SEED = 0x6F70677561726432  # "opguard2"
+TABLE_BITS = 20
+TABLE_LEN = 1 << TABLE_BITS
+SAMPLE = 4096
+ALGORITHM = "mix64-v1"
+EXACT_F32 = 1 << 24
+
+_INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+# ---- host-side integer helpers ------------------------------------------------------------------
+def signed(x: int) -> int:
+    x &= MASK64
+    return x - (1 << 64) if x >> 63 else x
+
+
+def fmix64(z: int) -> int:
+    z &= MASK64
+    z ^= z >> 33
+    z = (z * 0xFF51AFD7ED558CCD) & MASK64
+    z ^= z >> 33
+    z = (z * 0xC4CEB9FE1A85EC53) & MASK64
+    z ^= z >> 33
+    return z
+
+
+def finish(s: int, n: int) -> str:
+    """The printed digest from the fetched device sum ``s`` and the element count ``n``."""
+    return f"{fmix64((s & MASK64) ^ fmix64(n)):016x}"
+
+
+def splitmix64(seed: int, count: int) -> list[int]:
+    """Reference (pure Python) splitmix64 outputs 0..count-1; used by tests and for block constants."""
+    out = []
+    state = seed
+    for _ in range(count):
+        state = (state + GOLDEN) & MASK64
+        z = state
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & MASK64
+        out.append(z ^ (z >> 31))
+    return out
+
+
+def _lshr(x: torch.Tensor, k: int) -> torch.Tensor:
+    return (x >> k) & ((1 << (64 - k)) - 1)
+
+
+def _splitmix_table(seed: int, count: int) -> torch.Tensor:
+    # state_k = seed + (k+1)*GOLDEN (mod 2^64), vectorised in wrapping int64 arithmetic
+    k = torch.arange(1, count + 1, dtype=torch.int64)
+    z = k * signed(GOLDEN) + signed(seed)
+    z = (z ^ _lshr(z, 30)) * signed(0xBF58476D1CE4E5B9)
+    z = (z ^ _lshr(z, 27)) * signed(0x94D049BB133111EB)
+    return z ^ _lshr(z, 31)
+
+
+def reference_sum(bits: list[int]) -> int:
+    """Pure-Python ``S`` of mix64-v1 over sign-extended element bits (tests, docs)."""
+    table = splitmix64(TABLE_SEED, min(len(bits), TABLE_LEN))
+    nblocks = (len(bits) - 1) // TABLE_LEN if bits else 0
+    blocks = [0, *splitmix64(BLOCK_SEED, nblocks)]
+    s = 0
+    for i, u in enumerate(bits):
+        w = table[i % TABLE_LEN] ^ blocks[i // TABLE_LEN]
+        x = ((u & MASK64) ^ w) * GOLDEN & MASK64
+        xs = signed(x) >> 32  # arithmetic shift
+        s = (s + (x ^ (xs & MASK64))) & MASK64
+    return s
+
+
+# ---- device-side work -----------------------------------------------------------------------------
+class Digester:
+    """Per-process state: the weight table per device (generated once, without touching the global RNG)."""
+
+    def __init__(self, mode: str) -> None:
+        self.mode = mode
+        self._table_cpu: torch.Tensor | None = None
+        self._tables: dict[torch.device, torch.Tensor] = {}
+        self._blocks: list[int] = [0]
+        self._samples: dict[tuple[int, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
+        fn: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+            "full": self._full, "sample": self._sample, "xor": self._xor}
+        self.compute: Callable[[torch.Tensor], torch.Tensor] | None = fn.get(mode)
+
+    def table(self, device: torch.device) -> torch.Tensor:
+        t = self._tables.get(device)
+        if t is None:
+            if self._table_cpu is None:
+                self._table_cpu = _splitmix_table(TABLE_SEED, TABLE_LEN)
+            t = self._table_cpu.to(device)
+            self._tables[device] = t
+        return t
+
+    def block(self, q: int) -> int:
+        if q >= len(self._blocks):
+            self._blocks = [0, *splitmix64(BLOCK_SEED, q + 1)]
+        return signed(self._blocks[q])
+
+    @staticmethod
+    def elements(t: torch.Tensor) -> torch.Tensor:
+        """The tensor as a same-shaped tensor of fixed-width signed integers (a view, never a copy)."""
+        if t.is_complex():
+            t = torch.view_as_real(t)
+        if t.dtype == torch.bool:
+            t = t.view(torch.int8)
+        return t.view(_INT_OF_SIZE[t.element_size()])
+
+    @staticmethod
+    def count(t: torch.Tensor) -> int:
+        return t.numel() * (2 if t.is_complex() else 1)
+
+    def _mix_sum(self, v: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        x = torch.bitwise_xor(v, w) if v.dtype == torch.int64 else v.to(torch.int64).bitwise_xor_(w)
+        x.mul_(signed(GOLDEN))
+        x.bitwise_xor_(x >> 32)
+        return x.sum()
+
+    def _full(self, t: torch.Tensor) -> torch.Tensor:
+        v = self.elements(t)
+        n = v.numel()
+        table = self.table(v.device)
+        if n <= TABLE_LEN:
+            return self._mix_sum(v, table[:n].view(v.shape))
+        flat = v.reshape(-1)
+        total = torch.zeros((), dtype=torch.int64, device=v.device)
+        for q, start in enumerate(range(0, n, TABLE_LEN)):
+            chunk = flat[start:start + TABLE_LEN]
+            w = table[: chunk.numel()]
+            if q:
+                w = w ^ self.block(q)
+            total = total + self._mix_sum(chunk, w)
+        return total
+
+    def _sample(self, t: torch.Tensor) -> torch.Tensor:
+        v = self.elements(t)
+        n = v.numel()
+        if n <= SAMPLE:
+            return self._full(t)
+        key = (n, v.device)
+        cached = self._samples.get(key)
+        if cached is None:
+            idx = torch.arange(SAMPLE, dtype=torch.int64) * n // SAMPLE
+            table = self.table(torch.device("cpu"))
+            w = table[idx % TABLE_LEN] ^ torch.tensor([self.block(int(q)) for q in (idx // TABLE_LEN).tolist()],
+                                                      dtype=torch.int64)
+            cached = (idx.to(v.device), w.to(v.device))
+            self._samples[key] = cached
+        idx, w = cached
+        return self._mix_sum(torch.take(v, idx), w)
+
+    @staticmethod
+    def _xor(t: torch.Tensor) -> torch.Tensor:
+        if t.is_complex():
+            t = torch.view_as_real(t)
+        if t.dtype == torch.bool:
+            t = t.view(torch.uint8)
+        return torch.hash_tensor(t).view(torch.int64)
+
+
+STAT_FIELDS = ("min", "max", "sum", "sumsq", "nan", "inf")
+
+
+def stats_row(t: torch.Tensor) -> torch.Tensor:
+    """Six float64 values on the device: min, max, sum, sum of squares, NaN count, Inf count.
+
+    Only vectorised float passes (no boolean tensors, which are slow to reduce on CPU): the
+    non-finite count is the sum of ``nan_to_num(x - x, nan=1)`` (x - x is NaN exactly for NaN and
+    ±Inf), the Inf count the same over ``nan_to_num(x, nan=0)`` (NaN removed, ±Inf kept).
+    """
+    x = torch.view_as_real(t) if t.is_complex() else t
+    if x.is_floating_point():
+        acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+        mn, mx = torch.aminmax(x)
+        s = x.sum(dtype=acc)
+        q = torch.linalg.vector_norm(x, dtype=acc)
+        cnt = torch.float32 if x.numel() < EXACT_F32 else torch.float64  # sums of ones stay exact
+        nonfinite = torch.nan_to_num_(x - x, nan=1.0).sum(dtype=cnt)
+        kept = torch.nan_to_num(x, nan=0.0, posinf=math.inf, neginf=-math.inf)
+        inf = torch.nan_to_num_(kept - kept, nan=1.0).sum(dtype=cnt)
+        return torch.stack([mn.to(torch.float64), mx.to(torch.float64), s.to(torch.float64),
+                            q.to(torch.float64).square(), (nonfinite - inf).to(torch.float64),
+                            inf.to(torch.float64)])
+    xd = x.to(torch.float64)
+    mn, mx = torch.aminmax(xd)
+    zero = torch.zeros((), dtype=torch.float64, device=x.device)
+    return torch.stack([mn, mx, xd.sum(), xd.square().sum(), zero, zero])
+
+
+def finish_stats(row: list[float], n: int) -> dict[str, float | int]:
+    """Host side: mean, std (n-1), absmax from the fetched row."""
+    mn, mx, s, q, nan, inf = row
+    mean = s / n
+    if n > 1:
+        var = (q - s * s / n) / (n - 1)
+        std = max(var, 0.0) ** 0.5 if var == var else float("nan")
+    else:
+        std = 0.0 if s == s else float("nan")
+    absmax = max(abs(mn), abs(mx)) if (mn == mn and mx == mx) else float("nan")
+    return {"min": mn, "max": mx, "mean": mean, "std": std, "absmax": absmax, "nan": int(nan), "inf": int(inf)}

@@ -1,0 +1,80 @@
+"""The optional dispatch level (``level=dispatch``): every aten op, backward included (§4).
+
+Forward aten ops are children of the function record running them. Backward ops are tied to the
+forward call that created the autograd node being executed: the function mode stores that
+record's identity in ``grad_fn.metadata`` of its outputs, and ``torch._C._current_autograd_node()``
+names the node the engine is running.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from opguard.capture.mode import tensors_in
+from opguard.capture.session import Call, Session
+
+META_KEY = "opguard"
+_SKIP = frozenset({"detach", "alias", "lift_fresh", "_to_copy"})
+
+
+def tag_outputs(call: Call, outs: list[tuple[str, torch.Tensor]]) -> None:
+    """Remember on each output's autograd node which function record produced it."""
+    rec = call.rec
+    ident = {k: rec[k] for k in ("seq", "fn", "file", "line", "func", "src", "site", "module")}
+    for _slot, t in outs:
+        gf: Any = t.grad_fn
+        if gf is not None:
+            try:
+                gf.metadata[META_KEY] = ident
+            except (AttributeError, RuntimeError):
+                pass
+
+
+class AtenMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
+    def __init__(self, session: Session) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.session = session
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Sequence[Any] = (),
+                           kwargs: Mapping[str, Any] | None = None) -> Any:
+        kwargs = kwargs or {}
+        s = self.session
+        if s.busy or not s.active or func.namespace != "aten" or func._opname in _SKIP:
+            return func(*args, **kwargs)
+        name = f"aten::{func._opname}.{func._overloadname}"
+        node: Any = torch._C._current_autograd_node()
+        fwd: dict[str, Any] | None = None
+        if node is not None:
+            meta = node.metadata
+            fwd = meta.get(META_KEY) if meta is not None else None
+        if not s.selected(name, s.module, s.context):
+            return func(*args, **kwargs)
+        site = s.sites.lookup(sys._getframe(1))
+        call = s.begin("aten", name, site, phase="backward" if node is not None else "forward")
+        rec = call.rec
+        if node is not None:
+            rec["fwd"] = fwd
+            if fwd is not None:
+                for k in ("file", "line", "func", "src", "site", "module"):
+                    rec[k] = fwd[k]
+        names = [a.name for a in func._schema.arguments]
+        ins = [st for i, a in enumerate(args) for st in tensors_in(a, names[i] if i < len(names) else f"arg{i}")]
+        ins += [st for k, v in kwargs.items() for st in tensors_in(v, k)]
+        s.inputs(call, ins)
+        s.parents.append(rec["seq"])
+        try:
+            result = func(*args, **kwargs)
+        except BaseException as e:
+            rec["error"] = f"{type(e).__name__}: {e}"[:500]
+            raise
+        finally:
+            s.parents.pop()
+        if not s.cap_reached:
+            s.outputs(call, list(tensors_in(result, "out")))
+        s.maybe_flush()
+        return result

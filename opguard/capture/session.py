@@ -1,0 +1,342 @@
+"""One capture session per process: where records go, the bounded buffer, the digest cache, the cap.
+
+The interception layers (``mode.py``, ``dispatch.py``, ``collectives.py``) call
+:meth:`Session.begin` / :meth:`Session.finish`; tensor work is queued on the device and fetched
+with one stacked ``.cpu()`` per kind every ``buffer`` records (``docs/capture.md`` §8).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import socket
+import sys
+import time
+import weakref
+from collections import OrderedDict
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from opguard.capture import dumps, records
+from opguard.capture.callsite import Site, SiteTable
+from opguard.capture.digest import ALGORITHM, SAMPLE, Digester, finish, finish_stats, stats_row
+from opguard.capture.dumps import DumpPolicy, matches
+from opguard.capture.options import CaptureOptions
+from opguard.capture.sourceindex import SourceIndex
+from opguard.errors import ConfigError
+from opguard.staging.layout import current_rank
+from opguard.staging.writers import JsonlWriter, open_jsonl, rank_dir, write_rank_file
+
+SEGMENT_BYTES = 64 << 20
+CACHE_ENTRIES = 8192
+TRACE = "capture/trace.jsonl"
+
+
+class _Summary:
+    """Device-side results for one tensor content version (shared by every use of it)."""
+
+    __slots__ = ("digest", "n", "stats")
+
+    def __init__(self, digest: torch.Tensor | None, stats: torch.Tensor | None, n: int) -> None:
+        self.digest = digest
+        self.stats = stats
+        self.n = n
+
+
+@dataclass
+class Call:
+    """A record being built: the JSON dict plus the device results it waits for."""
+
+    rec: dict[str, Any]
+    fills: list[tuple[dict[str, Any], _Summary, bool]] = field(default_factory=list)
+
+
+class Session:
+    def __init__(self, options: CaptureOptions, env: dict[str, str] | None = None) -> None:
+        environ = dict(os.environ) if env is None else env
+        self.options = options
+        self.rank = current_rank(environ)
+        self.dir = rank_dir(self.rank, environ) / "capture"
+        if (self.dir / "meta.json").exists():
+            raise ConfigError(f"{self.dir} already holds a capture (meta.json): traces of two runs would mix",
+                              "use a new OPGUARD_TRACE_OUTPUT_BASE (or run ID) for every captured run")
+        self.env = environ
+        self.digester = Digester(options.digest)
+        self.sites = SiteTable()
+        self.sources = SourceIndex()
+        self.policy = DumpPolicy(options)
+        self.seq = 0
+        self.step = 0
+        self.contexts: list[str] = []
+        self.modules: list[str] = []
+        self.parents: list[int] = []
+        self.pending: list[Call] = []
+        self._cache: OrderedDict[tuple[Any, ...], _Summary] = OrderedDict()
+        self._refs: dict[tuple[Any, ...], weakref.ref[torch.Tensor]] = {}
+        self.written = 0
+        self._file_sizes: dict[str, int] = {}
+        self.records = 0
+        self.dropped = 0
+        self.cap_reached = False
+        self.closed = False
+        self.busy = 0  # > 0 while capture itself runs tensor work (the dispatch level ignores it)
+        self.on_cap: list[Any] = []  # callables run when the cap stops interception
+        self.started_at = time.time()
+        self.writer: JsonlWriter = open_jsonl(TRACE, rank=self.rank, env=environ, rotate_bytes=SEGMENT_BYTES)
+        self._write_meta(final=False)
+
+    # ---- selection --------------------------------------------------------------------------
+    @property
+    def active(self) -> bool:
+        return not self.cap_reached and not self.closed and self.step in self.options.steps
+
+    def selected(self, fn: str, module: str | None, context: str | None) -> bool:
+        o = self.options
+        return matches(o.functions, fn) and matches(o.modules, module) and matches(o.contexts, context)
+
+    @property
+    def module(self) -> str | None:
+        return self.modules[-1] if self.modules else None
+
+    @property
+    def context(self) -> str | None:
+        return "/".join(self.contexts) if self.contexts else None
+
+    # ---- tensor work --------------------------------------------------------------------------
+    def summarize(self, t: torch.Tensor, want_stats: bool, *, fresh: bool = False) -> _Summary | str:
+        """Queue digest (+ statistics) of ``t`` on its device, reusing the cached result of this
+        exact content version; a string is the reason there is no data to summarise."""
+        reason = records.plain_data_reason(t)
+        if reason is not None:
+            return reason
+        n = t.numel()
+        key = (t.data_ptr(), t.shape, t.stride(), t.dtype, t.device, t._version)
+        s = None if fresh or n == 0 else self._cache.get(key)
+        if s is not None and (s.stats is not None or not want_stats):
+            return s
+        self.busy += 1
+        try:
+            return self._summarize(t, key, s, n, want_stats)
+        finally:
+            self.busy -= 1
+
+    def _summarize(self, t: torch.Tensor, key: tuple[Any, ...], s: _Summary | None, n: int,
+                   want_stats: bool) -> _Summary:
+        with torch.no_grad():
+            d = t.detach()
+            digest = None
+            if s is not None:
+                digest = s.digest
+            elif self.digester.compute is not None:
+                digest = self.digester.compute(d)
+            st = stats_row(d) if want_stats and n else None
+        s = _Summary(digest, st, self.digester.count(d))
+        if n:
+            self._remember(key, s, t)
+        return s
+
+    def _remember(self, key: tuple[Any, ...], s: _Summary, t: torch.Tensor) -> None:
+        cache = self._cache
+        cache[key] = s
+        if key not in self._refs:
+            try:
+                self._refs[key] = weakref.ref(t, self._forgetter(key))
+            except TypeError:
+                pass
+        if len(cache) > CACHE_ENTRIES:
+            old, _ = cache.popitem(last=False)
+            self._refs.pop(old, None)
+
+    def _forgetter(self, key: tuple[Any, ...]) -> Any:
+        def forget(_ref: object) -> None:
+            self._forget(key)
+        return forget
+
+    def _forget(self, key: tuple[Any, ...]) -> None:
+        self._cache.pop(key, None)
+        self._refs.pop(key, None)
+
+    def entry(self, call: Call, slot: str, t: torch.Tensor, output: bool, *, fresh: bool = False) -> dict[str, Any]:
+        e: dict[str, Any] = {"slot": slot, "dtype": records.dtype_name(t.dtype), "shape": list(t.shape),
+                             "device": str(t.device), "digest": None}
+        s = self.summarize(t, output, fresh=fresh)
+        if isinstance(s, str):
+            e["reason"] = s
+            if output:
+                e["stats"] = None
+            return e
+        if s.digest is None:
+            e["reason"] = "digest mode none"
+        if output:
+            e["stats"] = None
+        call.fills.append((e, s, output))
+        return e
+
+    # ---- records ------------------------------------------------------------------------------
+    def begin(self, api: str, fn: str, site: Site, *, phase: str = "forward") -> Call:
+        seq = self.seq
+        self.seq += 1
+        parent = self.parents[-1] if self.parents else None
+        rec: dict[str, Any] = {
+            "v": 1, "kind": "op", "seq": seq, "step": self.step, "rank": self.rank, "api": api, "fn": fn,
+            "file": site.file, "line": site.line, "func": site.func, "src": site.src, "site": site.id,
+            "module": self.module, "context": self.context, "depth": len(self.parents), "parent": parent,
+            "phase": phase, "inputs": [], "outputs": []}
+        call = Call(rec)
+        self.pending.append(call)
+        return call
+
+    def inputs(self, call: Call, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        ins = call.rec["inputs"]
+        for slot, t in tensors:
+            ins.append(self.entry(call, slot, t, False))
+
+    def outputs(self, call: Call, tensors: Iterable[tuple[str, torch.Tensor]], *, fresh: bool = False) -> None:
+        outs = call.rec["outputs"]
+        for slot, t in tensors:
+            outs.append(self.entry(call, slot, t, True, fresh=fresh))
+
+    def maybe_flush(self) -> None:
+        if len(self.pending) >= self.options.buffer and not self.parents:
+            self.flush()
+
+    def dump(self, seq: int, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        for slot, t in tensors:
+            if records.plain_data_reason(t) is not None:
+                continue
+            self.busy += 1
+            try:
+                data = dumps.serialize(t)
+            finally:
+                self.busy -= 1
+            if not self._account(len(data)):
+                return
+            rec = dumps.write_dump(self.rank, seq, slot, data)
+            self._write_line(records.encode(rec), accounted=False)
+
+    # ---- fetching and writing -----------------------------------------------------------------
+    def flush(self) -> None:
+        """Fetch every queued digest and statistics row (one stacked copy per device and kind), write."""
+        if not self.pending:
+            return
+        calls, self.pending = self.pending, []
+        self.busy += 1
+        try:
+            self._flush(calls)
+        finally:
+            self.busy -= 1
+
+    def _flush(self, calls: list[Call]) -> None:
+        digests: dict[int, int] = {}
+        rows: dict[int, list[float]] = {}
+        self._fetch([s.digest for c in calls for _, s, _ in c.fills if s.digest is not None], digests, ints=True)
+        self._fetch([s.stats for c in calls for _, s, o in c.fills if o and s.stats is not None], rows, ints=False)
+        for c in calls:
+            for e, s, output in c.fills:
+                if s.digest is not None:
+                    e["digest"] = finish(digests[id(s.digest)], s.n)
+                if output and s.stats is not None:
+                    st = finish_stats(rows[id(s.stats)], s.n)
+                    e["stats"] = {k: (records.json_float(v) if isinstance(v, float) else v) for k, v in st.items()}
+        for c in calls:
+            if self.cap_reached:
+                self.dropped += 1
+                continue
+            self._write_line(records.encode(c.rec))
+            self.records += 1
+        self._write_tables()
+
+    @staticmethod
+    def _fetch(tensors: list[torch.Tensor], out: dict[Any, Any], ints: bool) -> None:
+        by_dev: dict[torch.device, list[torch.Tensor]] = {}
+        seen: set[int] = set()
+        for t in tensors:
+            if id(t) not in seen:
+                seen.add(id(t))
+                by_dev.setdefault(t.device, []).append(t)
+        for group in by_dev.values():
+            values = torch.stack(group).cpu().tolist()  # the one host transfer per device and kind
+            for t, v in zip(group, values, strict=True):
+                out[id(t)] = int(v) if ints else v
+
+    def _account(self, nbytes: int) -> bool:
+        if self.cap_reached:
+            return False
+        if self.written + sum(self._file_sizes.values()) + nbytes > self.options.max_bytes:
+            self._reach_cap()
+            return False
+        self.written += nbytes
+        return True
+
+    def _write_line(self, line: bytes, accounted: bool = True) -> None:
+        if accounted and not self._account(len(line)):
+            self.dropped += 1
+            return
+        self.writer.write_line(line)
+
+    def _reach_cap(self) -> None:
+        self.cap_reached = True
+        msg = (f"opguard capture: rank {self.rank} reached the size cap OPGUARD_CAPTURE_MAX_MB="
+               f"{self.options.max_mb:g} MiB at step {self.step} (seq {self.seq}); no further records are "
+               f"written for this rank (trace: {self.dir}). Raise OPGUARD_CAPTURE_MAX_MB or select fewer "
+               "steps/functions (OPGUARD_CAPTURE_STEPS, OPGUARD_CAPTURE_FUNCTIONS)")
+        print(msg, file=sys.stderr, flush=True)
+        rec = {"v": 1, "kind": "cap", "seq": self.seq, "step": self.step, "rank": self.rank,
+               "limit_bytes": self.options.max_bytes, "written_bytes": self.written, "message": msg}
+        self.writer.write_line(records.encode(rec))
+        for cb in self.on_cap:
+            cb()
+
+    def _write_atomic(self, name: str, obj: dict[str, Any]) -> None:
+        data = json.dumps(obj, indent=1, allow_nan=False).encode() + b"\n"
+        write_rank_file(f"capture/{name}", data, rank=self.rank, env=self.env)
+        self._file_sizes[name] = len(data)
+
+    def _write_tables(self) -> None:
+        if self.sites.dirty:
+            self.sites.dirty = False
+            self._write_atomic("callsites.json", self.sites.as_json(self.rank))
+            if self.sources.add(self.sites.files):
+                self._write_atomic("sources.json", self.sources.as_json(self.rank))
+
+    def _write_meta(self, final: bool) -> None:
+        world = self.env.get("WORLD_SIZE")
+        meta = {
+            "schema": records.SCHEMA, "version": records.VERSION, "rank": self.rank,
+            "world_size": int(world) if world and world.isdigit() else None,
+            "local_rank": int(self.env["LOCAL_RANK"]) if self.env.get("LOCAL_RANK", "").isdigit() else None,
+            "pid": os.getpid(), "host": socket.gethostname(), "started_at": self.started_at,
+            "ended_at": time.time() if final else None, "torch": torch.__version__,
+            "python": platform.python_version(), "level": self.options.level,
+            "digest": {"mode": self.options.digest, "algorithm": ALGORITHM if self.options.digest in ("full", "sample")
+                       else ("torch.hash_tensor" if self.options.digest == "xor" else None), "sample": SAMPLE},
+            "options": self.options.as_json(), "records": self.records, "segments": self.writer.segment + 1,
+            "cap_reached": self.cap_reached, "dropped": self.dropped, "trace": TRACE}
+        self._write_atomic("meta.json", meta)
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        try:
+            self.parents.clear()
+            self.flush()
+            self.writer.write_line(records.encode({"v": 1, "kind": "end", "rank": self.rank, "records": self.records,
+                                                   "cap_reached": self.cap_reached}))
+            self._write_tables()
+            if self.sources.add(self.sites.files) or not (self.dir / "sources.json").exists():
+                self._write_atomic("sources.json", self.sources.as_json(self.rank))
+            if not (self.dir / "callsites.json").exists():
+                self._write_atomic("callsites.json", self.sites.as_json(self.rank))
+            self._write_meta(final=True)
+        finally:
+            self.closed = True
+            self.writer.close()
+
+    @property
+    def path(self) -> Path:
+        return self.dir
