@@ -14,7 +14,6 @@ from typing import Any
 import pytest
 
 from opguard.staging import publish
-from opguard.staging import sync as sync_mod
 from opguard.staging.bundle import BatchWriter
 from opguard.staging.config import StagingConfig
 from opguard.staging.layout import Layout
@@ -134,7 +133,7 @@ def test_file_changing_while_read_is_retried_not_published_torn(staging_env: dic
     env = staging_env
     write_file_atomic(rank_dir(env) / "t.pt", b"a" * 1000)
     fn, seen = _torn_add_stream(1)
-    monkeypatch.setattr(sync_mod.BatchWriter, "add_stream", fn)
+    monkeypatch.setattr(BatchWriter, "add_stream", fn)
     report = run(env)
     monkeypatch.undo()
     assert report.exit_code == 0 and seen == ["t.pt"]
@@ -147,7 +146,7 @@ def test_file_always_changing_is_left_out_with_a_clear_error(staging_env: dict[s
     write_file_atomic(rank_dir(env) / "t.pt", b"a" * 1000)
     write_file_atomic(rank_dir(env) / "ok.pt", b"ok")
     fn, _ = _torn_add_stream(100)
-    monkeypatch.setattr(sync_mod.BatchWriter, "add_stream", fn)
+    monkeypatch.setattr(BatchWriter, "add_stream", fn)
     report = run(env)
     monkeypatch.undo()
     err = report.streams[0].error or ""
@@ -197,7 +196,7 @@ def test_log_rewritten_in_place_during_the_build_becomes_a_new_version(staging_e
                 f.write(b'{"NEW":1}\n{"NEW":2}\n{"NEW":3}\n')
         return real(self, entry, src, size, on_chunk)
 
-    monkeypatch.setattr(sync_mod.BatchWriter, "add_stream", add_stream)
+    monkeypatch.setattr(BatchWriter, "add_stream", add_stream)
     report = run(env)
     monkeypatch.undo()
     assert report.exit_code == 0 and done, report
@@ -225,7 +224,7 @@ def test_final_drain_is_bounded_by_what_was_visible_at_its_start(staging_env: di
         write_file_atomic(d / "t.pt", f"v{len(finished) + 1}".encode())
         return real_finish(self)
 
-    monkeypatch.setattr(sync_mod.BatchWriter, "finish", finish)
+    monkeypatch.setattr(BatchWriter, "finish", finish)
     config = StagingConfig.from_env(env)
     report = sync_streams(config, Layout(config), ["rank-000000"], final=True, node_id="node-a")
     monkeypatch.undo()

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import re
-import secrets
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -21,15 +20,16 @@ import filelock
 
 from opguard.errors import ConfigError, IdentityError, LockTimeout, OpguardError, PublishError
 from opguard.staging import crashpoints
-from opguard.staging.bundle import BatchWriter, batch_name, read_manifest
-from opguard.staging.checkpoint import Checkpoint, FileRecord, Pending, save_checkpoint, save_pending
+from opguard.staging.build import BatchSource, Torn, build_batch
+from opguard.staging.bundle import read_manifest
+from opguard.staging.checkpoint import Checkpoint, Pending, save_checkpoint
 from opguard.staging.config import StagingConfig
 from opguard.staging.fsutil import create_exclusive, dump_json, fsync_dir, read_json
 from opguard.staging.layout import NODE_COPY_DIRNAME, RANKS_DIRNAME, WRITER_TMP_PREFIX, Layout, node_stream
 from opguard.staging.plan import Item, select_batch
 from opguard.staging.publish import Bucket, remove_stale_tmp, upload
 from opguard.staging.ratelimit import TokenBucket
-from opguard.staging.scan import Change, FileStat, detect, last_newline_end, tail_sha256, walk
+from opguard.staging.scan import Change, detect, walk
 from opguard.staging.target import check_stream, ensure_target, staging_of
 
 TORN_RETRIES = 3
@@ -94,12 +94,6 @@ class SyncReport:
                 "streams": [asdict(s) for s in self.streams]}
 
 
-class _Torn(Exception):
-    def __init__(self, path: str) -> None:
-        super().__init__(path)
-        self.path = path
-
-
 # ---- streams -------------------------------------------------------------------------------------
 
 def stream_root(layout: Layout, stream: str, node_id: str) -> tuple[Path, str, int | None]:
@@ -160,69 +154,11 @@ class _Ctx:
         return staging_of(self.config).bundles / "streams" / self.stream
 
 
-def _items(changes: Sequence[Change]) -> list[Item]:
-    return [Item(c.path, c.kind, c.size, c.first_record) for c in changes]
-
-
-def _add_file(w: BatchWriter, root: Path, c: Change, cp: Checkpoint) -> None:
-    try:
-        f = open(root / c.path, "rb")  # noqa: SIM115 (closed by the with below)
-    except FileNotFoundError:
-        raise _Torn(c.path) from None
-    with f:
-        before = FileStat.of(os.fstat(f.fileno()))
-        entry = {"op": "file", "path": c.path, "version": c.version, "offset": 0,
-                 "mode": before.mode, "mtime_ns": before.mtime_ns}
-        try:
-            w.add_stream(entry, f, before.size)
-        except OSError:
-            raise _Torn(c.path) from None
-        after = FileStat.of(os.fstat(f.fileno()))
-    if not after.same_identity(before):
-        raise _Torn(c.path)  # changed while being read (a path replaced by rename is fine: new version next)
-    cp.files[c.path] = FileRecord("file", c.version, before.dev, before.ino, before.size,
-                                  before.mtime_ns, before.ctime_ns)
-
-
-def _add_append(w: BatchWriter, root: Path, c: Change, nbytes: int, cp: Checkpoint) -> int:
-    try:
-        f = open(root / c.path, "rb")  # noqa: SIM115 (closed by the with below)
-    except FileNotFoundError:
-        raise _Torn(c.path) from None
-    with f:
-        fd = f.fileno()
-        s = FileStat.of(os.fstat(fd))
-        if (s.dev, s.ino) != (c.stat.dev, c.stat.ino) or s.size < c.end:
-            raise _Torn(c.path)
-        end = c.start + nbytes
-        if end < c.end:
-            end = last_newline_end(fd, c.start, end)
-        if end > c.start and os.pread(fd, 1, end - 1) != b"\n":
-            raise _Torn(c.path)
-        f.seek(c.start)
-        entry = {"op": "append", "path": c.path, "version": c.version, "offset": c.start,
-                 "mode": s.mode, "mtime_ns": s.mtime_ns}
-        try:
-            w.add_stream(entry, f, end - c.start)
-        except OSError:
-            raise _Torn(c.path) from None
-        prev = cp.files.get(c.path)
-        if (not c.new_version and prev is not None and c.start > 0
-                and tail_sha256(fd, c.start) != prev.tail_sha256):
-            raise _Torn(c.path)  # rewritten (not appended to) since the scan: rescan, it is a new version
-        tail = tail_sha256(fd, end)
-    # record the stat only when everything complete was taken; otherwise the next scan looks again
-    size = c.stat.size if end == c.end else end
-    cp.files[c.path] = FileRecord("append", c.version, s.dev, s.ino, size, c.stat.mtime_ns, c.stat.ctime_ns,
-                                  offset=end, tail_sha256=tail)
-    return end - c.start
-
-
 def _build(ctx: _Ctx, cp: Checkpoint, changes: list[Change], deleted: list[str], limit: int,
            final: bool, exclude: set[str]) -> tuple[Pending | None, int]:
-    """Build and persist the next batch (pending/<name> + pending.json). Returns (pending, backlog)."""
+    """Select and build the next batch (pending/<name> + pending.json). Returns (pending, backlog)."""
     use = [c for c in changes if c.path not in exclude]
-    plan = select_batch(_items(use), limit)
+    plan = select_batch([Item(c.path, c.kind, c.size, c.first_record) for c in use], limit)
     for it in plan.oversized:
         ctx.report.fail(ConfigError(
             f"{ctx.root / it.path}: a single JSON-lines record of {it.first_record} bytes exceeds "
@@ -231,41 +167,8 @@ def _build(ctx: _Ctx, cp: Checkpoint, changes: list[Change], deleted: list[str],
             "records"))
     if not plan.takes and not deleted:
         return None, plan.backlog_bytes
-    by_path = {c.path: c for c in use}
-    new = cp.copy()
-    new.next_sequence = cp.next_sequence + 1
-    manifest: dict[str, Any] = {
-        "run_id": cp.run_id, "stream": ctx.stream, "kind": ctx.kind, "rank": ctx.rank, "node_id": ctx.node_id,
-        "sequence": cp.next_sequence, "prev_digest": cp.head_digest, "final": final,
-        "created_at": time.time(), "deleted": deleted}
-    ctx.pending_dir.mkdir(parents=True, exist_ok=True)
-    build = ctx.pending_dir / f".build-{secrets.token_hex(6)}"
-    w = BatchWriter(build, manifest)
-    taken = 0
-    try:
-        for t in plan.takes:
-            c = by_path[t.item.path]
-            if c.kind == "file":
-                _add_file(w, ctx.root, c, new)
-                taken += c.size
-            else:
-                taken += _add_append(w, ctx.root, c, t.nbytes, new)
-            crashpoints.hit("building")
-        for p in deleted:
-            new.files[p].deleted = True
-        digest, size = w.finish()
-        crashpoints.hit("built")
-    except BaseException:
-        w.abort()
-        raise
-    name = batch_name(cp.next_sequence, digest)
-    new.head_digest = digest
-    os.rename(build, ctx.pending_dir / name)
-    fsync_dir(ctx.pending_dir)
-    crashpoints.hit("batch-renamed")
-    pending = Pending(cp.next_sequence, name, digest, size, final, new)
-    save_pending(ctx.state / "pending.json", pending)  # the intent is durable before any upload
-    crashpoints.hit("pending-saved")
+    src = BatchSource(ctx.root, ctx.stream, ctx.kind, ctx.rank, ctx.node_id, ctx.state)
+    pending, taken = build_batch(src, cp, use, deleted, plan.takes, final)
     return pending, max(0, sum(c.size for c in use) - taken)
 
 
@@ -381,7 +284,7 @@ def _one_batch(ctx: _Ctx, cp: Checkpoint, final: bool, drain: _Drain) -> tuple[P
             changes = drain.clip(changes)
         try:
             return _build(ctx, cp, changes, deleted, ctx.config.batch_bytes, final, exclude)
-        except _Torn as t:
+        except Torn as t:
             torn[t.path] = torn.get(t.path, 0) + 1
             if torn[t.path] >= TORN_RETRIES:
                 exclude.add(t.path)
