@@ -34,35 +34,46 @@ def anchor_hash(text: str) -> int:
 @dataclass
 class _Index:
     keys: array[int]
+    line_keys: array[int]
     anchors: array[int]
-    collectives: list[tuple[int, int]]     # (position, key id)
+    collectives: list[int]                 # positions of collective operations
+    all_digests: bool                      # every record has a source-line digest
+
+
+def _intern(intern: dict[str, int], k: str) -> int:
+    kid = intern.get(k)
+    if kid is None:
+        kid = intern[k] = len(intern) + 1
+    return kid
 
 
 def _index(stream: Stream, intern: dict[str, int]) -> _Index:
     keys = array("q")
+    line_keys = array("q")
     anchors = array("Q")
-    coll: list[tuple[int, int]] = []
+    coll: list[int] = []
+    all_digests = True
     for rec in stream.records():
-        k = rec.key()
-        kid = intern.get(k)
-        if kid is None:
-            kid = intern[k] = len(intern) + 1
+        kid = _intern(intern, rec.key())
         keys.append(kid)
+        line_keys.append(_intern(intern, rec.line_key()))
+        all_digests = all_digests and rec.line_digest is not None
         text = None if rec.collective else rec.anchor_text()
         anchors.append(anchor_hash(text) if text else NO_ANCHOR)
         if rec.collective:
-            coll.append((len(keys) - 1, kid))
-    return _Index(keys, anchors, coll)
+            coll.append(len(keys) - 1)
+    return _Index(keys, line_keys, anchors, coll, all_digests)
 
 
 def _collective_anchors(a: _Index, b: _Index) -> None:
     """Collectives are natural anchors: the k-th collective of a call site pairs with the k-th,
     when both runs issued that call site's collective equally often (unique by construction)."""
-    count_a = Counter(k for _, k in a.collectives)
-    count_b = Counter(k for _, k in b.collectives)
+    count_a = Counter(a.keys[p] for p in a.collectives)
+    count_b = Counter(b.keys[p] for p in b.collectives)
     for idx in (a, b):
         seen: Counter[int] = Counter()
-        for pos, kid in idx.collectives:
+        for pos in idx.collectives:
+            kid = idx.keys[pos]
             if count_a[kid] == count_b[kid]:
                 idx.anchors[pos] = anchor_hash(f"collective\x00{kid}\x00{seen[kid]}")
             seen[kid] += 1
@@ -116,7 +127,8 @@ class _Emitter:
             anns.append(a.value("inputs", {s.name: _slot_dict(s) for s in rec.inputs}))
         if rec.outputs:
             anns.append(a.value("outputs", {s.name: _slot_dict(s) for s in rec.outputs}))
-        self.w.slice(track, ts, rec.function, anns, flow_out=flow_out, flow_in=flow_in)
+        self.w.slice(track, ts, rec.function, anns, flows_out=() if flow_out is None else (flow_out,),
+                     flows_in=() if flow_in is None else (flow_in,))
 
 
 def _where(rec: Record) -> str:
@@ -136,9 +148,16 @@ def _walk(pairing: Pairing, recs_a: Iterator[Record], recs_b: Iterator[Record]) 
 def _compare_stream(em: _Emitter, sa: Stream, sb: Stream, tracks: tuple[int, int], summ: StreamSummary,
                     intern: dict[str, int]) -> None:
     ia, ib = _index(sa, intern), _index(sb, intern)
+    if not (ia.all_digests and ib.all_digests):
+        # identities must be comparable: without source-line digests on a side, both use line numbers
+        ia.keys, ib.keys = ia.line_keys, ib.line_keys
+        missing = " and ".join(s for s, i in (("A", ia), ("B", ib)) if not i.all_digests)
+        summ.notes.append(f"call sites identified by file name and line number: run {missing} lacks source-line "
+                          "digests (lines inserted elsewhere in a file change these identities)")
     _collective_anchors(ia, ib)
     pairing = pair_streams(ia.keys, ib.keys, ia.anchors, ib.anchors)
     summ.ops_a, summ.ops_b = len(ia.keys), len(ib.keys)
+    summ.notes.extend([*(f"run A: {n}" for n in sa.notes), *(f"run B: {n}" for n in sb.notes)])
     del ia, ib
     unresolved = 0
     for row, (ra, rb) in enumerate(_walk(pairing, sa.records(), sb.records())):
@@ -179,6 +198,7 @@ def _export_only(em: _Emitter, side: str, st: Stream, track: int, summ: StreamSu
         em.op(track, rec.index * ROW_NS, side, st.name, rec, record_id(side, rec, st.name),
               {"state": "undetermined", "reason": NO_CORRESPONDING_FILE}, UNALIGNED, None)
         n += 1
+    summ.notes.extend(f"run {side}: {note}" for note in st.notes)
     if side == "A":
         summ.ops_a = n
         summ.reasons_a[NO_CORRESPONDING_FILE] += n

@@ -16,6 +16,7 @@ import hashlib
 import os
 import secrets
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -71,14 +72,14 @@ class ExportWriter:
         return self._uuid
 
     def slice(self, track: int, ts: int, name: str, annotations: list[bytes], *,
-              flow_out: int | None = None, flow_in: int | None = None) -> None:
+              flows_out: Sequence[int] = (), flows_in: Sequence[int] = ()) -> None:
         ev = [vfield(F.E_TYPE, F.SLICE_BEGIN), vfield(F.E_TRACK, track), ld(F.E_NAME, name.encode())]
         ev.extend(ld(F.E_ANNOTATION, a) for a in annotations)
-        if flow_out is not None:
-            ev.append(F.E_FLOW + struct.pack("<Q", flow_out))
+        for f in flows_out:
+            ev.append(F.E_FLOW + struct.pack("<Q", f))
             self.flows += 1
-        if flow_in is not None:
-            ev.append(F.E_TERMINATING_FLOW + struct.pack("<Q", flow_in))
+        for f in flows_in:
+            ev.append(F.E_TERMINATING_FLOW + struct.pack("<Q", f))
         pkt = vfield(F.P_TIMESTAMP, ts) + ld(F.P_TRACK_EVENT, b"".join(ev)) + vfield(F.P_SEQ_ID, SEQ_ID)
         new = self.ann.take_new_names()
         if new:
@@ -161,7 +162,8 @@ def read_export(path: Path) -> Export:
         if p.HasField("track_descriptor"):
             t = p.track_descriptor
             tracks[t.uuid] = {"name": t.name, "parent": t.parent_uuid if t.HasField("parent_uuid") else None,
-                              "description": t.description}
+                              "description": t.description,
+                              "order": t.sibling_order_rank if t.HasField("sibling_order_rank") else None}
         if p.HasField("track_event") and p.track_event.type == F.SLICE_BEGIN:
             ev = p.track_event
             args = dict(decode_annotation(a, names) for a in ev.debug_annotations)

@@ -62,6 +62,10 @@ class Record:
         """The call-site key that order-based pairing compares (rank is equal within a stream)."""
         return f"{self.function}\x00{self.site}\x00{self.context}"
 
+    def line_key(self) -> str:
+        """The key by file name and line number, used when a side has no source-line digests."""
+        return f"{self.function}\x00{line_site(self.file, self.line, None, None)}\x00{self.context}"
+
     def anchor_text(self) -> str | None:
         """Captured-input identity for anchors: function + every input slot's digest (None if none)."""
         digests = [f"{s.name}={s.digest}" for s in self.inputs if s.digest]
@@ -108,7 +112,8 @@ class SourceIndex:
             self._lines[original] = lines
         return self._lines[original]
 
-    def digest_and_occurrence(self, file: str, line: int, digest: str | None = None) -> tuple[str | None, int | None]:
+    def digest_and_occurrence(self, file: str, line: int,
+                              digest: str | None = None) -> tuple[str | None, int | None]:
         """(digest of the stripped line, how many earlier lines of the file have the same text)."""
         lines = self._get(file)
         if lines is None or not 1 <= line <= len(lines):
@@ -121,7 +126,11 @@ class SourceIndex:
         return own, k
 
 
-# ---- opguard capture records (docs/capture.md) -------------------------------------------------
+# ---- opguard capture records (docs/capture.md, trace schema version 1) ----------------------------
+
+CAPTURE_VERSION = 1
+EMPTY_SHA256 = hashlib.sha256(b"").hexdigest()
+
 
 def _shape(v: Any) -> tuple[int, ...] | None:
     if isinstance(v, list | tuple) and all(isinstance(x, int) for x in v):
@@ -140,44 +149,50 @@ def _stats(v: Any) -> dict[str, float] | None:
 
 
 def capture_slot(raw: Mapping[str, Any], default_name: str) -> Slot:
-    stats = raw.get("stats")
+    digest = raw.get("digest")
     return Slot(
-        name=str(raw.get("slot", raw.get("name", default_name))),
-        digest=raw.get("digest") if isinstance(raw.get("digest"), str) else None,
+        name=str(raw.get("slot", default_name)),
+        digest=digest if isinstance(digest, str) else None,
         dtype=raw.get("dtype") if isinstance(raw.get("dtype"), str) else None,
         shape=_shape(raw.get("shape")),
         device=raw.get("device") if isinstance(raw.get("device"), str) else None,
-        stats=_stats(stats),
-        dump=raw.get("dump") if isinstance(raw.get("dump"), str) else None,
+        stats=_stats(raw.get("stats")),
     )
 
 
+def capture_context(obj: Mapping[str, Any]) -> str:
+    """Module path, user context and (for backward aten ops) the phase: part of the pairing key."""
+    parts = [str(obj.get("module") or "-"), str(obj.get("context") or "")]
+    if obj.get("phase") == "backward":
+        parts.append("backward")
+    return "|".join(parts)
+
+
 def from_capture(obj: Mapping[str, Any], index: int, sources: SourceIndex | None, where: str) -> Record:
-    """A capture record (docs/capture.md) as a :class:`Record`."""
+    """An ``op`` record of docs/capture.md §3.1 as a :class:`Record`."""
     try:
-        cs = obj.get("callsite") or obj.get("call_site") or {}
-        file = cs.get("file")
-        line = cs.get("line")
-        digest = cs.get("line_sha256") or cs.get("source_sha256") or cs.get("digest")
+        file = obj.get("file")
+        line = obj.get("line")
+        digest = obj.get("src")
+        if digest == EMPTY_SHA256 or not isinstance(digest, str):
+            digest = None            # the source line was unavailable when captured
         occurrence = None
         if sources is not None and file and isinstance(line, int):
             digest, occurrence = sources.digest_and_occurrence(file, line, digest)
-        function = str(obj["function"] if "function" in obj else obj["fn"])
+        function = str(obj["fn"])
         inputs = [capture_slot(s, f"in{i}") for i, s in enumerate(obj.get("inputs") or [])]
         outputs = [capture_slot(s, f"out{i}") for i, s in enumerate(obj.get("outputs") or [])]
-        ctx = obj.get("context")
-        if isinstance(ctx, list):
-            ctx = "/".join(str(c) for c in ctx)
-        kind = obj.get("kind")
+        if obj.get("error"):
+            outputs.append(Slot(name="error", digest=str(obj["error"])))
         return Record(
             rank=int(obj["rank"]), index=index, function=function,
             site=line_site(file, line, digest, occurrence), file=file, line=line,
-            scope=cs.get("func") or cs.get("function"), line_digest=digest, context=str(ctx or ""),
+            scope=obj.get("func"), line_digest=digest, context=capture_context(obj),
             seq=obj.get("seq"), step=obj.get("step"),
-            collective=bool(kind == "collective" or obj.get("collective") or is_collective(function)),
+            collective=obj.get("api") == "collective" or is_collective(function),
             inputs=inputs, outputs=outputs)
     except (KeyError, TypeError, ValueError, AttributeError) as e:
-        raise ConfigError(f"{where}: not an opguard capture record ({type(e).__name__}: {e})",
+        raise ConfigError(f"{where}: not an opguard capture op record ({type(e).__name__}: {e})",
                           "pass a trace directory written by opguard capture (docs/capture.md)") from None
 
 

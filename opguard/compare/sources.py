@@ -5,8 +5,8 @@ Accepted, detected in this order:
 * a shared target holding ``.opguard-bundles/`` (format 2 or reference v1 bundles), or legacy
   ``sync.tar.gz`` snapshots (the directory, or one archive in it): restored and verified with
   :func:`opguard.staging.restore.materialize` into a temporary directory, removed afterwards;
-* a trace directory or a restored directory: ``ranks/rank-<R:06d>/`` holding opguard capture
-  files (``docs/capture.md``);
+* a trace directory or a restored directory: ``ranks/rank-<R:06d>/capture/trace.jsonl``
+  (opguard capture, ``docs/capture.md``);
 * reference-implementation traces: ``exec_trace/gpu_<R:03d>/ops/<fn>/<fn>_line<N>.jsonl``
   (the directory holding ``exec_trace/``, ``exec_trace/`` itself, or one ``gpu_<R>`` directory).
 
@@ -26,10 +26,16 @@ import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
-from opguard.compare.records import Record, SourceIndex, from_capture, from_reference, iter_jsonl
-from opguard.errors import ConfigError, IntegrityError
+from opguard.compare.records import (
+    CAPTURE_VERSION,
+    Record,
+    SourceIndex,
+    from_capture,
+    from_reference,
+    iter_jsonl,
+)
+from opguard.errors import ConfigError, IdentityError, IntegrityError, OpguardError
 
 REF_STREAM = "ops"
 _RANK_DIR = re.compile(r"rank-([0-9]{6,})")
@@ -37,14 +43,9 @@ _GPU_DIR = re.compile(r"gpu_([0-9]{3,})")
 _SEGMENT = re.compile(r"^(?P<stem>.*?)(?:\.(?P<n>[0-9]{6}))?(?P<suffix>\.jsonl|\.ndjson)$")
 
 KIND_CAPTURE = "opguard-capture"
+CAPTURE_DIR = "capture"
+CAPTURE_STREAM = "capture"
 KIND_REFERENCE = "reference-exec-trace"
-
-
-def is_capture_record(obj: dict[str, Any]) -> bool:
-    schema = obj.get("schema")
-    if isinstance(schema, str):
-        return schema.startswith("opguard.capture")
-    return ("function" in obj or "fn" in obj) and "rank" in obj and "inputs" in obj and "outputs" in obj
 
 
 @dataclass
@@ -56,6 +57,9 @@ class Stream:
     name: str
     files: list[Path]
     sources: SourceIndex
+    rank_dir: Path = Path()
+    dumps: dict[int, dict[str, str]] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
 
     @property
     def key(self) -> tuple[int, str]:
@@ -66,14 +70,42 @@ class Stream:
             yield from self._reference_records()
             return
         index = 0
+        expect_seq: int | None = None
+        self.notes.clear()
+        ended = False
         for path in self.files:
             for n, obj in iter_jsonl(path):
+                kind = obj.get("kind")
+                if obj.get("v") != CAPTURE_VERSION and kind is not None:
+                    raise IdentityError(f"{path}:{n}: capture record version {obj.get('v')!r}; this opguard reads "
+                                        f"version {CAPTURE_VERSION}", "upgrade opguard to compare this run")
+                if kind == "dump":
+                    self.dumps.setdefault(int(obj["seq"]), {})[str(obj["slot"])] = str(self.rank_dir / obj["path"])
+                    continue
+                if kind == "cap":
+                    self.notes.append(f"capture reached its size cap at step {obj.get('step')} "
+                                      f"(seq {obj.get('seq')}): later operations were not recorded")
+                    continue
+                if kind == "end":
+                    ended = True
+                    continue
+                if kind != "op":
+                    continue
                 rec = from_capture(obj, index, self.sources, f"{path}:{n}")
                 if rec.rank != self.rank:
                     raise ConfigError(f"{path}:{n}: record of rank {rec.rank} in the directory of rank {self.rank}",
                                       "a rank directory must hold only its own rank's records")
+                seq = obj.get("seq")
+                if isinstance(seq, int):
+                    if expect_seq is not None and seq > expect_seq:
+                        self.notes.append(f"records seq {expect_seq}..{seq - 1} are missing (a crash lost them)")
+                    expect_seq = seq + 1
+                    for slot in (*rec.inputs, *rec.outputs):
+                        slot.dump = self.dumps.get(seq, {}).get(slot.name)
                 index += 1
                 yield rec
+        if not ended:
+            self.notes.append("no end record: the capture did not end cleanly (the trace may be incomplete)")
 
     def _reference_records(self) -> Iterator[Record]:
         recs: list[Record] = []
@@ -129,48 +161,56 @@ def _segments(files: list[Path]) -> dict[str, list[Path]]:
     return {k: [p for _, p in sorted(v)] for k, v in groups.items()}
 
 
-def _first_record(path: Path) -> dict[str, Any] | None:
-    try:
-        with open(path, "rb") as f:
-            line = f.readline()
-        obj = json.loads(line) if line.endswith(b"\n") else None
-    except (OSError, ValueError):
-        return None
-    return obj if isinstance(obj, dict) else None
-
-
 def _capture_streams(run: Run, ranks_dir: Path) -> None:
     for rank_dir in sorted(ranks_dir.iterdir()):
         m = _RANK_DIR.fullmatch(rank_dir.name)
-        if not m or not rank_dir.is_dir():
+        cap = rank_dir / CAPTURE_DIR
+        if not m or not (cap / "trace.jsonl").exists():
+            if m and rank_dir.is_dir():
+                run.skipped.append(rank_dir.name)
             continue
         rank = int(m[1])
-        sources = _capture_sources(rank_dir)
-        files = [p for p in rank_dir.rglob("*") if p.is_file() and "_node" not in p.relative_to(rank_dir).parts]
-        for base, segs in sorted(_segments(files).items()):
-            first = next((r for r in (_first_record(s) for s in segs) if r is not None), None)
-            rel = os.path.relpath(base, rank_dir)
-            if first is None or not is_capture_record(first):
-                run.skipped.append(f"{rank_dir.name}/{rel}")
-                continue
-            name = rel
-            run.streams[(rank, name)] = Stream(KIND_CAPTURE, rank, name, segs, sources)
+        _check_meta(cap / "meta.json", rank)
+        segs = _segments([p for p in cap.iterdir() if p.is_file()]).get(str(cap / "trace.jsonl"), [])
+        run.streams[(rank, CAPTURE_STREAM)] = Stream(KIND_CAPTURE, rank, CAPTURE_STREAM, segs,
+                                                     _capture_sources(rank_dir), rank_dir)
+
+
+def _check_meta(path: Path, rank: int) -> None:
+    try:
+        meta = json.loads(path.read_text())
+    except FileNotFoundError:
+        return
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{path} is unreadable ({e})", "restore the rank directory again") from None
+    version = meta.get("version") if isinstance(meta, dict) else None
+    if not isinstance(version, int) or version > CAPTURE_VERSION:
+        raise IdentityError(f"{path}: capture schema version {version!r}; this opguard reads version "
+                            f"{CAPTURE_VERSION}", "upgrade opguard to compare this run")
+    if meta.get("rank") != rank:
+        raise ConfigError(f"{path}: rank {meta.get('rank')!r} in the directory of rank {rank}",
+                          "a rank directory must hold only its own rank's capture")
 
 
 def _capture_sources(rank_dir: Path) -> SourceIndex:
-    """Source files named by the capture's source index (docs/capture.md), where restored."""
+    """Copies of the files in capture/sources.json (docs/capture.md §9) found in the rank's ``_node/``
+    (restored node metadata), matched by name and SHA-256."""
     index = SourceIndex()
-    for cand in (*rank_dir.glob("source_index*.json"), *rank_dir.glob("_node/**/source_index*.json")):
-        try:
-            data = json.loads(cand.read_text())
-        except (OSError, ValueError):
-            continue
-        entries = data.get("files", data) if isinstance(data, dict) else {}
-        if isinstance(entries, dict):
-            for original, info in entries.items():
-                rel = info.get("copy") if isinstance(info, dict) else info
-                if isinstance(rel, str):
-                    index.add(original, cand.parent / rel)
+    try:
+        data = json.loads((rank_dir / CAPTURE_DIR / "sources.json").read_text())
+    except (OSError, ValueError):
+        return index
+    wanted: dict[str, tuple[str, str]] = {}
+    for f in data.get("files", []) if isinstance(data, dict) else []:
+        if isinstance(f, dict) and isinstance(f.get("path"), str) and isinstance(f.get("sha256"), str):
+            wanted[os.path.basename(f["path"])] = (f["path"], f["sha256"])
+    node = rank_dir / "_node"
+    if not wanted or not node.is_dir():
+        return index
+    for cand in node.rglob("*"):
+        hit = wanted.get(cand.name)
+        if hit and cand.is_file() and hashlib.sha256(cand.read_bytes()).hexdigest() == hit[1]:
+            index.add(hit[0], cand)
     return index
 
 
@@ -249,17 +289,19 @@ def open_run(given: str, label: str) -> Iterator[Run]:
     try:
         if _is_staged(path):
             tmp = tempfile.mkdtemp(prefix=f"opguard-compare-{label}-")
-            dest = Path(tmp) / "restored"
+            # a lone rank directory (e.g. gpu_003 holding sync.tar.gz) keeps its name: it carries the rank
+            dest = Path(tmp) / (path.name if _GPU_DIR.fullmatch(path.name) or _RANK_DIR.fullmatch(path.name)
+                                else "restored")
             try:
                 materialize(path, dest)
-            except DamagedSource as e:
-                raise IntegrityError(f"compare input {label}: {given} cannot be restored: {e.message}",
-                                     e.fix) from None
+            except OpguardError as e:
+                cls: type[OpguardError] = IntegrityError if isinstance(e, DamagedSource) else type(e)
+                raise cls(f"compare input {label}: {given} cannot be restored: {e.message}", e.fix) from None
             run.restored_from = str(path.resolve())
             run.root = dest
         _scan(run, run.root)
         if not run.streams:
-            extra = f" (JSON-lines files that are not capture records: {', '.join(run.skipped[:5])})" \
+            extra = f" (rank directories without capture/trace.jsonl: {', '.join(run.skipped[:5])})" \
                 if run.skipped else ""
             raise ConfigError(
                 f"compare input {label}: no trace files in {given}{extra}",

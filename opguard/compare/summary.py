@@ -33,6 +33,7 @@ class StreamSummary:
     reasons_b: Counter[str] = field(default_factory=Counter)
     first_mismatch: FirstMismatch | None = None
     first_equal_input_mismatch: FirstMismatch | None = None
+    notes: list[str] = field(default_factory=list)
 
     @property
     def pairs(self) -> int:
@@ -72,6 +73,7 @@ class Summary:
             lines.append(f"rank {s.rank} [{s.stream}]: A {s.ops_a} ops, B {s.ops_b} ops; paired {s.pairs} "
                          f"(ok {s.status['ok']}, mismatch {s.status['mismatch']}; basis: {basis}); "
                          f"unaligned {s.status['unaligned']}")
+            lines.extend(f"  note: {n}" for n in s.notes)
             for side, reasons in (("A", s.reasons_a), ("B", s.reasons_b)):
                 if reasons:
                     detail = ", ".join(f"{k} {v}" for k, v in sorted(reasons.items()))

@@ -1,0 +1,1 @@
+"""Offline report tools (``python -m opguard.tools <command>``)."""

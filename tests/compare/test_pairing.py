@@ -1,0 +1,76 @@
+"""The correspondence algorithm exactly as the spec states it (pure, over integer keys/anchors)."""
+
+from __future__ import annotations
+
+from opguard.compare.pairing import (
+    ANCHOR_ORDER_CONFLICT,
+    BETWEEN_ANCHORS,
+    EQUAL_SEQUENCE,
+    INPUT_ANCHOR,
+    NO_ANCHOR,
+    NO_COUNTERPART_IN_SEGMENT,
+    SEGMENT_DIFFERS,
+    pair_streams,
+)
+
+
+def test_equal_sequences_pair_in_order_even_without_anchors() -> None:
+    p = pair_streams([1, 2, 1, 2], [1, 2, 1, 2], [NO_ANCHOR] * 4, [NO_ANCHOR] * 4)
+    assert list(p.a_to_b) == [0, 1, 2, 3] and set(p.basis_a) == {EQUAL_SEQUENCE}
+
+
+def test_unequal_without_anchors_stays_unresolved() -> None:
+    p = pair_streams([1, 2, 3], [1, 9, 2, 3], [NO_ANCHOR] * 3, [NO_ANCHOR] * 4)
+    assert list(p.a_to_b) == [-1, -1, -1] and list(p.b_to_a) == [-1] * 4
+    assert p.reason_a == [SEGMENT_DIFFERS] * 3 and p.reason_b == [SEGMENT_DIFFERS] * 4
+
+
+def test_anchors_then_equal_segments_between_them() -> None:
+    # A: 1 2 [x] 3 4 ; B: 1 2 [x] 7 3 4  (an extra op 7 after the anchor)
+    p = pair_streams([1, 2, 5, 3, 4], [1, 2, 5, 7, 3, 4], [0, 0, 100, 0, 200], [0, 0, 100, 0, 0, 200])
+    assert list(p.a_to_b) == [0, 1, 2, -1, 5] and p.reason_a[3] == SEGMENT_DIFFERS
+    assert p.basis_a == [BETWEEN_ANCHORS, BETWEEN_ANCHORS, INPUT_ANCHOR, None, INPUT_ANCHOR]
+    assert p.reason_b[3:5] == [SEGMENT_DIFFERS, SEGMENT_DIFFERS]
+
+
+def test_empty_counterpart_segment() -> None:
+    p = pair_streams([1, 3], [1, 7, 3], [10, 30], [10, 0, 30])
+    assert list(p.a_to_b) == [0, 2] and p.reason_b[1] == NO_COUNTERPART_IN_SEGMENT
+
+
+def test_duplicate_anchor_keys_are_not_anchors() -> None:
+    # anchor 50 occurs twice in B: not unique, so it cannot anchor
+    p = pair_streams([1, 2], [1, 2, 2], [50, 60], [50, 50, 60])
+    assert p.anchors == 1 and p.a_to_b[0] == -1 and p.a_to_b[1] == 2
+
+
+def test_order_conflict_keeps_the_longest_monotone_set() -> None:
+    # anchors 10,20,30 in A; B has 30 first: LIS keeps 10,20; 30 conflicts
+    p = pair_streams([1, 2, 3], [3, 1, 2], [10, 20, 30], [30, 10, 20])
+    assert list(p.a_to_b) == [1, 2, -1]
+    assert p.reason_a[2] == ANCHOR_ORDER_CONFLICT and p.reason_b[0] == ANCHOR_ORDER_CONFLICT
+    rows = p.rows()
+    assert [r for r in rows if r[0] >= 0 and r[1] >= 0] == [(0, 1), (1, 2)]
+    assert sorted(i for i, _ in rows if i >= 0) == [0, 1, 2] and sorted(j for _, j in rows if j >= 0) == [0, 1, 2]
+
+
+def test_pairs_are_monotone_and_one_to_one_on_random_inputs() -> None:
+    import random
+
+    rng = random.Random(7)
+    for _ in range(300):
+        na, nb = rng.randint(0, 30), rng.randint(0, 30)
+        ka = [rng.randint(1, 4) for _ in range(na)]
+        kb = [rng.randint(1, 4) for _ in range(nb)]
+        aa = [rng.choice([0, rng.randint(1, 20)]) for _ in range(na)]
+        ab = [rng.choice([0, rng.randint(1, 20)]) for _ in range(nb)]
+        p = pair_streams(ka, kb, aa, ab)
+        pairs = [(i, j) for i, j in enumerate(p.a_to_b) if j >= 0]
+        assert all(p.b_to_a[j] == i for i, j in pairs)
+        assert [j for _, j in pairs] == sorted({j for _, j in pairs})           # monotone, one-to-one
+        for i, j in pairs:                                                       # never a false call-site pair
+            assert ka[i] == kb[j] or p.basis_a[i] == INPUT_ANCHOR
+        for i in range(na):
+            assert (p.a_to_b[i] >= 0) != (p.reason_a[i] is not None)
+        for j in range(nb):
+            assert (p.b_to_a[j] >= 0) != (p.reason_b[j] is not None)
