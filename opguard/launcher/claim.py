@@ -12,13 +12,15 @@ import json
 import socket
 import time
 from pathlib import Path
-
-import filelock
+from typing import TYPE_CHECKING
 
 from opguard.errors import ConfigError
 from opguard.staging.config import StagingConfig
 from opguard.staging.fsutil import create_exclusive, dump_json, fsync_dir
 from opguard.staging.layout import BUNDLES_DIRNAME, Layout
+
+if TYPE_CHECKING:
+    import filelock
 
 
 def _read_first_line(path: str) -> str:
@@ -98,6 +100,8 @@ def _duty_conflict(layout: Layout) -> ConfigError:
 
 def take_node_duty(layout: Layout) -> filelock.BaseFileLock:
     """Hold the node-duty lock for the run; ConfigError if another wrapper holds it."""
+    import filelock  # lazily: only staging runs need it
+
     layout.locks_dir.mkdir(parents=True, exist_ok=True)
     lock = filelock.FileLock(str(layout.node_duty_lock), timeout=0)
     try:
@@ -109,6 +113,8 @@ def take_node_duty(layout: Layout) -> filelock.BaseFileLock:
 
 def node_duty_problem(layout: Layout) -> ConfigError | None:
     """Read-only probe (plan and preflight): is the node-duty lock held by a live wrapper now?"""
+    import filelock
+
     if not layout.node_duty_lock.exists():
         return None
     lock = filelock.FileLock(str(layout.node_duty_lock), timeout=0)

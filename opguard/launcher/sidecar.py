@@ -191,5 +191,4 @@ def node_env(base: dict[str, str], cap_mib_s: float) -> dict[str, str]:
     env = dict(base)
     env["OPGUARD_SYNC_MBPS"] = f"{cap_mib_s:.6g}"
     env.pop("PYTHONSTARTUP", None)
-    env.setdefault("PYTHONDONTWRITEBYTECODE", "1")
     return env

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -180,3 +181,18 @@ def test_wrapper_never_imports_torch_or_mpi(staging_env: dict[str, str]) -> None
     r = subprocess.run([PY, "-c", code], env=staging_env, capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     assert os.path.exists(OPGUARD_RUN)
+
+
+def test_drain_timeout_stops_the_drain_not_the_exit_code(staging_env: dict[str, str]) -> None:
+    """A drain that cannot finish in --drain-timeout is stopped (resumable), reported, exit code kept."""
+    env = {**staging_env, "OPGUARD_SYNC_MBPS": "0.05", "OPGUARD_LOCAL_DUMP_SYNC_INTERVAL": "3600"}
+    code = ("import os; from opguard.staging.writers import write_rank_file; "
+            "write_rank_file('big.bin', os.urandom(4 << 20)); raise SystemExit(9)")
+    t0 = time.monotonic()
+    r = subprocess.run([OPGUARD_RUN, "--drain-timeout", "2", PY, "-c", code], env=env, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 9, r.stderr
+    assert time.monotonic() - t0 < 60  # 4 MiB at 0.05 MiB/s would take 80 s
+    assert "exceeded --drain-timeout=2 s" in r.stderr and "opguard sync --all --final" in r.stderr
+    doc = json.loads((Path(env["OPGUARD_LOCAL_DUMP_BASE"]) / "state" / "launcher" / "rank-000000.json").read_text())
+    assert doc["drain"]["status"] == "timed out" and doc["exit_code"] == 9
