@@ -55,6 +55,7 @@ def _wrap(session: Session, name: str, orig: Callable[..., Any]) -> Callable[...
             bound = sig.bind(*args, **kwargs)
         except TypeError:
             return orig(*args, **kwargs)  # let torch raise its own error
+        bound.apply_defaults()
         arguments = bound.arguments
         site = s.sites.lookup(sys._getframe(1))
         call = s.begin("collective", fn, site)

@@ -28,11 +28,17 @@ def tag_outputs(call: Call, outs: list[tuple[str, torch.Tensor]]) -> None:
     ident = {k: rec[k] for k in ("seq", "fn", "file", "line", "func", "src", "site", "module")}
     for _slot, t in outs:
         gf: Any = t.grad_fn
-        if gf is not None:
-            try:
-                gf.metadata[META_KEY] = ident
-            except (AttributeError, RuntimeError):
-                pass
+        if gf is None:
+            continue
+        try:
+            meta = gf.metadata
+            old = meta.get(META_KEY)
+            # the node's producer is the outermost call that created it: a nested child (larger seq)
+            # is replaced by its parent; a later call returning an alias (e.g. broadcast_tensors) is not
+            if old is None or old["seq"] > ident["seq"]:
+                meta[META_KEY] = ident
+        except (AttributeError, RuntimeError):
+            pass
 
 
 class AtenMode(TorchDispatchMode):  # type: ignore[no-untyped-call]

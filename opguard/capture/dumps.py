@@ -6,6 +6,7 @@ import hashlib
 import io
 import os
 import re
+from collections.abc import Mapping
 from fnmatch import fnmatchcase
 
 import torch
@@ -65,9 +66,9 @@ def serialize(t: torch.Tensor) -> bytes:
     return buf.getvalue()
 
 
-def write_dump(rank: int, seq: int, slot: str, data: bytes) -> dict[str, object]:
+def write_dump(rank: int, seq: int, slot: str, data: bytes, env: Mapping[str, str]) -> dict[str, object]:
     """Write one dump atomically into this rank's directory; returns the ``dump`` record."""
     rel = dump_relpath(seq, slot)
-    write_rank_file(rel, data, rank=rank)
+    write_rank_file(rel, data, rank=rank, env=env)
     return {"v": 1, "kind": "dump", "seq": seq, "slot": slot, "path": rel, "bytes": len(data),
             "sha256": hashlib.sha256(data).hexdigest()}

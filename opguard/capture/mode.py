@@ -76,7 +76,7 @@ class CaptureMode(TorchFunctionMode):
         call = s.begin("function", name, site)
         ins = input_slots(args, kwargs, name.startswith("Tensor."))
         s.inputs(call, ins)
-        if s.policy.enabled and s.policy.wants(s.step, name, module, context, site):
+        if s.policy.enabled and not s.parents and s.policy.wants(s.step, name, module, context, site):
             s.dump(call.rec["seq"], ins)
             dump_out = True
         else:

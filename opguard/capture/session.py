@@ -216,7 +216,7 @@ class Session:
                 self.busy -= 1
             if not self._account(len(data)):
                 return
-            rec = dumps.write_dump(self.rank, seq, slot, data)
+            rec = dumps.write_dump(self.rank, seq, slot, data, self.env)
             self._write_line(records.encode(rec), accounted=False)
 
     # ---- fetching and writing -----------------------------------------------------------------

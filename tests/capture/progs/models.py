@@ -15,7 +15,7 @@ class MLP(nn.Module):
         self.fc2 = nn.Linear(width, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(self.act(self.fc1(x)))
+        return self.fc2(self.act(self.fc1(x)))  # @mlp_forward
 
 
 class Attention(nn.Module):

@@ -1,0 +1,282 @@
+"""Capture of real PyTorch programs in this process: every field, digests, nesting, numerics,
+dumps, the size cap, refusals."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="capture needs torch (pip install torch, CPU build)")
+
+import opguard.capture as oc  # noqa: E402
+from opguard.errors import ConfigError  # noqa: E402
+from tests.capture.helpers import ops, read_trace  # noqa: E402
+from tests.capture.progs import calls, models  # noqa: E402
+from tests.capture.progs.models import MLP  # noqa: E402
+
+pytestmark = [pytest.mark.torch]
+CALLS = calls.__file__
+MODELS = models.__file__
+
+
+@pytest.fixture
+def out_env(tmp_path: Path) -> dict[str, str]:
+    return {"OPGUARD_TRACE_OUTPUT_BASE": str(tmp_path / "out")}
+
+
+def data() -> tuple[MLP, torch.Tensor, torch.Tensor]:
+    torch.manual_seed(0)
+    model = MLP()
+    g = torch.Generator().manual_seed(1)
+    return model, torch.randn(8, 16, generator=g), torch.randn(8, 1, generator=g)
+
+
+def src_sha(line: int, file: str = CALLS) -> str:
+    text = Path(file).read_text().splitlines()[line - 1].strip()
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def test_mlp_forward_backward_every_field(out_env: dict[str, str], tmp_path: Path) -> None:
+    model, x, y = data()
+    oc.name_modules(model, "model")
+    with oc.capture(env=out_env, buffer=8) as cap, oc.context("train"):
+        losses = calls.mlp_train(model, x, y, 3, step_fn=oc.step)
+    recs = read_trace(cap.path)
+    assert recs[-1]["kind"] == "end" and recs[-1]["records"] == len(recs) - 1
+    op = ops(recs)
+    assert [r["seq"] for r in op] == list(range(len(op)))                   # contiguous, in order
+    for r in op:
+        assert set(r) >= {"v", "seq", "step", "rank", "api", "fn", "file", "line", "func", "src", "site",
+                          "module", "context", "depth", "parent", "phase", "inputs", "outputs"}
+        assert r["v"] == 1 and r["rank"] == 0 and r["context"] == "train"
+        for e in r["inputs"] + r["outputs"]:
+            assert set(e) >= {"slot", "dtype", "shape", "device", "digest"} and e["device"] == "cpu"
+            assert e["digest"] is not None and len(e["digest"]) == 16
+        for e in r["outputs"]:
+            assert set(e["stats"]) == {"min", "max", "mean", "std", "absmax", "nan", "inf"}
+    # the forward linear layers: module path, call site = the user's line, src = its stripped line digest
+    # (inside nn.Linear.forward, torch's code: the first user frame is MLP.forward)
+    fwd_line = calls.marker_line("mlp_forward", MODELS)
+    lin = [r for r in op if r["fn"] == "torch.nn.functional.linear"]
+    assert [r["module"] for r in lin] == ["model.fc1", "model.fc2"] * 3
+    assert [r["step"] for r in lin] == [0, 0, 1, 1, 2, 2]
+    for r in lin:
+        assert (r["file"], r["line"], r["func"]) == (MODELS, fwd_line, "forward")
+        assert r["src"] == src_sha(fwd_line, MODELS) and r["phase"] == "forward"
+        assert [e["slot"] for e in r["inputs"]] == ["arg0", "arg1", "arg2"]
+        assert r["inputs"][0]["shape"] == [8, 16] or r["inputs"][0]["shape"] == [8, 32]
+    # digests: the first linear's input is x; the second linear's input is the GELU output
+    assert lin[0]["inputs"][0]["digest"] == lin[2]["inputs"][0]["digest"]          # same x every step
+    gelu = [r for r in op if r["fn"] == "torch.nn.functional.gelu"]
+    assert gelu[0]["module"] == "model.act"
+    assert gelu[0]["inputs"][0]["digest"] == lin[0]["outputs"][0]["digest"]
+    assert lin[1]["inputs"][0]["digest"] == gelu[0]["outputs"][0]["digest"]
+    assert lin[0]["inputs"][1]["digest"] != lin[2]["inputs"][1]["digest"]          # weight updated by SGD
+    # statistics of the loss equal the loss
+    loss_recs = [r for r in op if r["fn"] == "torch.nn.functional.mse_loss" and r["depth"] == 0]
+    assert [r["line"] for r in loss_recs] == [calls.marker_line("loss")] * 3
+    for r, loss in zip(loss_recs, losses, strict=True):
+        st = r["outputs"][0]["stats"]
+        assert st["min"] == st["max"] == st["mean"] == loss.item() and st["std"] == 0.0
+    # backward() is recorded at its line with self = the loss, and the gradients are read by the optimizer
+    bwd = [r for r in op if r["fn"] == "Tensor.backward" and r["depth"] == 0]
+    assert len(bwd) == 3 and bwd[0]["line"] == calls.marker_line("backward")
+    assert bwd[0]["inputs"][0]["slot"] == "self"
+    assert bwd[0]["inputs"][0]["digest"] == loss_recs[0]["outputs"][0]["digest"]
+    assert any(r["fn"] == "Tensor.grad" for r in op)
+    # tables written beside the trace
+    sites = json.loads((cap.path / "callsites.json").read_text())["sites"]
+    for r in op:
+        s = sites[r["site"]]
+        assert (s["file"], s["line"], s["func"], s["src"]) == (r["file"], r["line"], r["func"], r["src"])
+    files = json.loads((cap.path / "sources.json").read_text())["files"]
+    entry = next(f for f in files if f["path"] == CALLS)
+    assert entry["sha256"] == hashlib.sha256(Path(CALLS).read_bytes()).hexdigest()
+    meta = json.loads((cap.path / "meta.json").read_text())
+    assert meta["version"] == 1 and meta["digest"]["mode"] == "full" and meta["ended_at"] is not None
+    assert meta["records"] == len(recs) - 1 and not meta["cap_reached"]
+
+
+def test_self_nested_inplace(out_env: dict[str, str]) -> None:
+    g = torch.Generator().manual_seed(5)
+    a, b = torch.randn(4, 6, generator=g), torch.randn(4, 6, generator=g)
+    with oc.capture(env=out_env) as cap:
+        e = calls.nested_and_self(a, b)
+    op = ops(read_trace(cap.path))
+    by_line: dict[int, list[dict]] = {}  # type: ignore[type-arg]
+    for r in op:
+        by_line.setdefault(r["line"], []).append(r)
+    add = by_line[calls.marker_line("method")][0]
+    assert add["fn"] == "Tensor.add" and [i["slot"] for i in add["inputs"]] == ["self", "arg1"]
+    ref = oc_digest(a)
+    assert add["inputs"][0]["digest"] == ref and add["inputs"][1]["digest"] == oc_digest(b)
+    # torch.add(torch.mul(a, 2.0), c): both calls of the expression are recorded, inner first
+    expr = by_line[calls.marker_line("nested_expr")]
+    assert [r["fn"] for r in expr] == ["torch.mul", "torch.add"]
+    assert expr[1]["inputs"][0]["digest"] == expr[0]["outputs"][0]["digest"]
+    # F.layer_norm is Python calling torch.layer_norm: the inner call is recorded as a child
+    ln = by_line[calls.marker_line("layer_norm")]
+    outer = next(r for r in ln if r["fn"] == "torch.nn.functional.layer_norm")
+    inner = next(r for r in ln if r["fn"] == "torch.layer_norm")
+    assert outer["depth"] == 0 and inner["depth"] == 1 and inner["parent"] == outer["seq"]
+    assert inner["seq"] > outer["seq"] and inner["outputs"][0]["digest"] == outer["outputs"][0]["digest"]
+    # in-place: self is read before the call, the output is self after it
+    ip = by_line[calls.marker_line("inplace")][0]
+    assert ip["fn"] == "Tensor.mul_"
+    assert ip["inputs"][0]["digest"] == outer["outputs"][0]["digest"]
+    assert ip["outputs"][0]["digest"] == oc_digest(e) != ip["inputs"][0]["digest"]
+
+
+def oc_digest(t: torch.Tensor) -> str:
+    from opguard.capture.digest import Digester, finish
+
+    d = Digester("full")
+    assert d.compute is not None
+    return finish(int(d.compute(t)), t.numel())
+
+
+def test_losses_bitwise_identical_with_and_without_capture(out_env: dict[str, str]) -> None:
+    model, x, y = data()
+    rng = torch.get_rng_state()
+    plain = calls.mlp_train(model, x, y, 4)
+    rng_after_plain = torch.get_rng_state()
+    model, x, y = data()
+    torch.set_rng_state(rng)
+    with oc.capture(env=out_env, level="dispatch", dump_steps="0-1"):
+        captured = calls.mlp_train(model, x, y, 4, step_fn=oc.step)
+    assert torch.equal(torch.get_rng_state(), rng_after_plain)
+    for p, c in zip(plain, captured, strict=True):
+        assert p.view(torch.int32).item() == c.view(torch.int32).item()
+
+
+def test_dispatch_level_ties_backward_to_forward_sites(out_env: dict[str, str]) -> None:
+    model, x, y = data()
+    oc.name_modules(model, "model")
+    with oc.capture(env=out_env, level="dispatch") as cap:
+        calls.mlp_train(model, x, y, 1)
+    op = ops(read_trace(cap.path))
+    fwd_lin = [r for r in op if r["fn"] == "torch.nn.functional.linear"]
+    addmm = [r for r in op if r["fn"] == "aten::addmm.default"]
+    assert addmm and all(r["api"] == "aten" and r["parent"] in {f["seq"] for f in fwd_lin} for r in addmm)
+    back = [r for r in op if r["phase"] == "backward"]
+    assert back, "no backward aten ops recorded"
+    tied = [r for r in back if r.get("fwd")]
+    mm = [r for r in tied if r["fn"] == "aten::mm.default"]
+    assert mm and all(r["fwd"]["fn"] == "torch.nn.functional.linear" for r in mm)
+    assert {r["module"] for r in mm} == {"model.fc1", "model.fc2"} or {r["module"] for r in mm} == {"model.fc2"}
+    assert all(r["line"] == calls.marker_line("mlp_forward", MODELS) and r["fwd"]["seq"] in {f["seq"] for f in fwd_lin}
+               for r in mm)
+    bwd_call = next(r for r in op if r["fn"] == "Tensor.backward")
+    assert all(r["seq"] > bwd_call["seq"] for r in back)
+    gelu_back = [r for r in tied if r["fn"] == "aten::gelu_backward.default"]
+    assert gelu_back and gelu_back[0]["module"] == "model.act"
+
+
+def test_dumps_land_in_the_rank_directory_only(out_env: dict[str, str]) -> None:
+    model, x, y = data()
+    before = set(Path(CALLS).parent.iterdir())
+    line = calls.marker_line("loss")
+    with oc.capture(env=out_env, dump_sites=f"calls.py:{line}", dump_steps="1", dump_filter="*.gelu") as cap:
+        calls.mlp_train(model, x, y, 2, step_fn=oc.step)
+    assert set(Path(CALLS).parent.iterdir()) == before
+    recs = read_trace(cap.path)
+    dumps = [r for r in recs if r["kind"] == "dump"]
+    op = {r["seq"]: r for r in ops(recs)}
+    dumped_fns = {(op[d["seq"]]["fn"], op[d["seq"]]["step"]) for d in dumps}
+    assert dumped_fns == {("torch.nn.functional.mse_loss", 0), ("torch.nn.functional.mse_loss", 1),
+                          ("torch.nn.functional.gelu", 1)}
+    rank_dir = cap.path.parent
+    for d in dumps:
+        f = rank_dir / d["path"]
+        assert f.is_file() and d["path"].startswith("capture/tensors/")
+        assert hashlib.sha256(f.read_bytes()).hexdigest() == d["sha256"]
+        t = torch.load(f)
+        entry = next(e for e in op[d["seq"]]["inputs"] + op[d["seq"]]["outputs"] if e["slot"] == d["slot"])
+        assert oc_digest(t) == entry["digest"]
+    assert not list(cap.path.rglob(".opguard-tmp-*"))
+
+
+def test_size_cap_is_loud_and_stops_recording(out_env: dict[str, str], capfd: pytest.CaptureFixture[str]) -> None:
+    model, x, y = data()
+    with oc.capture(env=out_env, max_mb=0.02, buffer=4) as cap:
+        losses = calls.mlp_train(model, x, y, 5, step_fn=oc.step)
+    assert len(losses) == 5                                   # the program ran on
+    err = capfd.readouterr().err
+    assert "reached the size cap OPGUARD_CAPTURE_MAX_MB=0.02" in err and "rank 0" in err
+    recs = read_trace(cap.path)
+    kinds = [r["kind"] for r in recs]
+    assert kinds.count("cap") == 1 and kinds[-1] == "end" and kinds.index("cap") == len(kinds) - 2
+    size = sum(p.stat().st_size for p in cap.path.rglob("*") if p.is_file())
+    assert size < 0.02 * 2**20 + 4096
+    meta = json.loads((cap.path / "meta.json").read_text())
+    assert meta["cap_reached"] is True
+
+
+def test_buffer_bounds_what_is_held(out_env: dict[str, str]) -> None:
+    model, x, y = data()
+    seen: list[int] = []
+    with oc.capture(env=out_env, buffer=5) as cap:
+        def probe(i: int) -> None:
+            oc.step(i)
+            seen.append(len(cap.session.pending))
+        calls.mlp_train(model, x, y, 4, step_fn=probe)
+        written_before_end = len(read_trace(cap.path))
+    assert max(seen) <= 5 + 20                                  # flushed at the first top-level call past 5
+    assert written_before_end > 0
+
+
+def test_selection_by_steps_and_functions(out_env: dict[str, str]) -> None:
+    model, x, y = data()
+    with oc.capture(env=out_env, steps="1-2", functions="torch.nn.functional.*") as cap:
+        calls.mlp_train(model, x, y, 4, step_fn=oc.step)
+    op = ops(read_trace(cap.path))
+    assert op and {r["step"] for r in op} == {1, 2}
+    assert all(r["fn"].startswith("torch.nn.functional.") for r in op)
+
+
+def test_collective_recorded_as_such(out_env: dict[str, str], tmp_path: Path) -> None:
+    dist = pytest.importorskip("torch.distributed")
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("torch.distributed with gloo is not available in this torch build")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        t = torch.arange(4.0)
+        before = oc_digest(t)
+        original = dist.all_reduce
+        with oc.capture(env=out_env) as cap:
+            dist.all_reduce(t)
+            dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    op = ops(read_trace(cap.path))
+    ar = next(r for r in op if r["fn"] == "torch.distributed.all_reduce")
+    assert ar["api"] == "collective" and ar["group_size"] == 1 and ar["op"] == "SUM"
+    assert ar["inputs"][0]["slot"] == "tensor" and ar["inputs"][0]["digest"] == before
+    assert ar["outputs"][0]["digest"] == oc_digest(t)
+    assert any(r["fn"] == "torch.distributed.barrier" for r in op)
+    assert dist.all_reduce is original                          # restored after capture
+
+
+def test_refusals(tmp_path: Path, out_env: dict[str, str]) -> None:
+    # staging enabled but unusable: refuse, never fall back
+    bad = {"OPGUARD_TRACE_OUTPUT_BASE": str(tmp_path / "t"), "OPGUARD_LOCAL_DUMP_ENABLED": "1",
+           "OPGUARD_LOCAL_DUMP_TARGET": str(tmp_path / "t"), "OPGUARD_LOCAL_DUMP_BASE": str(tmp_path / "missing")}
+    with pytest.raises(ConfigError, match="OPGUARD_LOCAL_DUMP_BASE"), oc.capture(env=bad):
+        pass
+    assert not (tmp_path / "t").exists() or not any((tmp_path / "t").rglob("*.jsonl"))
+    with pytest.raises(ConfigError, match="OPGUARD_TRACE_OUTPUT_BASE"), oc.capture(env={}):
+        pass
+    with oc.capture(env=out_env):
+        torch.ones(2).sum()
+    with pytest.raises(ConfigError, match="already holds a capture"), oc.capture(env=out_env):
+        pass
+    with pytest.raises(ConfigError, match="OPGUARD_CAPTURE_DIGEST"):
+        oc.capture(env={**out_env, "OPGUARD_CAPTURE_DIGEST": "md5"}).__enter__()
+    with pytest.raises(ConfigError, match="already active"), oc.capture(env=out_env | {
+            "OPGUARD_TRACE_OUTPUT_BASE": str(tmp_path / "o2")}), oc.capture(env={
+            "OPGUARD_TRACE_OUTPUT_BASE": str(tmp_path / "o3")}):
+        pass
+    assert torch.overrides._get_current_function_mode_stack() == []
