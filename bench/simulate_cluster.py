@@ -63,6 +63,7 @@ from opguard.staging.ratelimit import TokenBucket
 MIB = 1 << 20
 PERIODIC, DRAIN_WARNING, DRAIN_TERM = 0, 1, 2
 PHASES = ("periodic", "drain-warning", "drain-term")
+MIN_SYNC_SPACING = 1.0  # s between the starts of two back-to-back syncs (process start-up, scans)
 SETTLE_INTERVALS = 5  # "steady" figures leave out the first five intervals
 
 
@@ -86,6 +87,7 @@ class Workload:
     warning_s: float = 0.0  # --signal=B:USR1@W; 0: no warning, the drain starts at SIGTERM
     chunk_bytes: int = 0  # bytes per bucket.consume() call; 0: the whole batch in one call
     salt: str = ""  # opguard-run calls stagger_offset without a salt
+    continuous_after_warning: bool = False  # after the warning drain, drain again and again until SIGTERM
     grid: bool = False  # next sync on the fixed grid offset + m·interval (skipping missed ones), not start + interval
     reference_node_lock: bool = True  # opguard 0.1.0 serializes a node's uploads; False: every rank on its own
     seed: int = 1
@@ -270,6 +272,28 @@ def simulate_node_ours(k: int, w: Workload, rec: Record) -> None:
         rec.ops += (0.0, 0.0)  # format.json, created once by whoever comes first
     worst = 0.0
     current: list[tuple[float, int]] = []  # (end, payload) of the latest periodic sync's uploads
+    started = 0.0
+
+    def drain_pass(kind: int) -> list[tuple[float, int]]:
+        """One ``opguard sync --all --final``: each stream drains what its first scan sees, then is sealed."""
+        done: list[tuple[float, int]] = []
+        bucket = TokenBucket(rate, clock=vc.clock, sleep=vc.sleep)
+        for i, s in enumerate(streams):
+            mark = vc.now
+            while True:
+                t0 = vc.now
+                payload = s.take(mark)
+                if not payload:
+                    break
+                upload(vc, bucket, payload / ratio, w.chunk_bytes)
+                rec.upload(t0, vc.now, payload / ratio, kind)
+                done.append((vc.now, payload))
+                batches[i] += 1
+            if sealed[i] != batches[i]:
+                rec.ops += (vc.now, vc.now)  # the seal: a temporary created, then linked into place
+                sealed[i] = batches[i]
+        return done
+
     for t_drain, kind in drains:
         while max(next_sync, vc.now) < t_drain:
             vc.now = started = max(next_sync, vc.now)
@@ -289,23 +313,18 @@ def simulate_node_ours(k: int, w: Workload, rec: Record) -> None:
                 next_sync = offset + w.interval * math.ceil((vc.now - offset) / w.interval)
         # unpublished when the drain is requested, counting what the running sync published after that
         backlog = sum(s.backlog(t_drain) for s in streams) + sum(p for e, p in current if e > t_drain)
-        vc.now = max(vc.now, t_drain)
-        bucket = TokenBucket(rate, clock=vc.clock, sleep=vc.sleep)
-        for i, s in enumerate(streams):
-            mark = vc.now  # a final sync drains what the stream's first scan sees
-            while True:
-                t0 = vc.now
-                payload = s.take(mark)
-                if not payload:
-                    break
-                upload(vc, bucket, payload / ratio, w.chunk_bytes)
-                rec.upload(t0, vc.now, payload / ratio, kind)
-                batches[i] += 1
-            if sealed[i] != batches[i]:
-                rec.ops += (vc.now, vc.now)  # the seal: a temporary created, then linked into place
-                sealed[i] = batches[i]
+        vc.now = started = max(vc.now, t_drain)
+        drain_pass(kind)
         rec.drain[kind].append(vc.now - t_drain)
         rec.drain_backlog[kind].append(backlog)
+        if kind == DRAIN_WARNING and w.continuous_after_warning:
+            # keep draining until SIGTERM: a new final pass as soon as the last one ends
+            while True:
+                started = max(vc.now, started + MIN_SYNC_SPACING)
+                if started >= w.job_seconds:
+                    break
+                vc.now = started
+                current = drain_pass(DRAIN_WARNING)
     rec.sync_backlog.append(worst)
 
 
@@ -681,6 +700,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warning", type=float, default=0.0, help="--signal warning (s); default: the plan's")
     ap.add_argument("--chunk-mib", type=float, default=0.0, help="bytes per bucket.consume (0: whole batch)")
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="processes (nodes are independent)")
+    ap.add_argument("--continuous-after-warning", action="store_true",
+                    help="after the warning drain, keep draining until SIGTERM (instead of resuming periodic syncs)")
     ap.add_argument("--grid", action="store_true",
                     help="after an overrun, wait for the node's next slot (offset + m·interval), not at once")
     ap.add_argument("--reference-per-rank", action="store_true",
@@ -692,7 +713,8 @@ def main(argv: list[str] | None = None) -> int:
     base = Workload(nodes=a.nodes, ranks=a.ranks, job_seconds=a.hours * 3600, interval=a.interval,
                     batch_bytes=a.batch_mib * MIB, cap_mib_s=a.mbps, jsonl_bytes_per_s=a.jsonl_mib_s * MIB,
                     file_bytes=int(a.file_mib * MIB), file_period=a.file_period, compress_ratio=a.compress,
-                    kill_wait=a.kill_wait, warning_s=a.warning, chunk_bytes=int(a.chunk_mib * MIB), grid=a.grid)
+                    kill_wait=a.kill_wait, warning_s=a.warning, chunk_bytes=int(a.chunk_mib * MIB), grid=a.grid,
+                    continuous_after_warning=a.continuous_after_warning)
     if a.table:
         rows = [run(replace(base, nodes=int(n)), a.jobs) for n in a.table.split(",")]
         print(table(rows))

@@ -184,3 +184,19 @@ def test_cli_writes_the_plot_and_the_figures(tmp_path: Path) -> None:
     assert data["plan"]["ideal_peak_in_flight"] >= 1
     assert data["ours"]["in_flight_periodic"]["peak"] >= 1
     assert data["reference"]["drain_s"]["drain-term"]["max"] >= 0
+
+
+def test_a_drain_that_continues_until_sigterm_makes_the_warning_sufficient() -> None:
+    """At 7× the data (r·I/c = 48 s > KillWait), the plan's warning is enough only if the wrapper
+    keeps draining after the warning; resuming periodic syncs leaves up to r·I for SIGTERM."""
+    w = replace(SMALL, nodes=8, ranks=8, jsonl_bytes_per_s=3 * MIB, job_seconds=900.0)
+    z = w.sizing()
+    assert z.keeps_up and z.worst_drain_s > w.kill_wait
+    warned = replace(w, warning_s=float(z.warning_s))
+    resumed = sim.simulate(warned, sim.simulate_node_ours)
+    continuous = sim.simulate(replace(warned, continuous_after_warning=True), sim.simulate_node_ours)
+    for rec in (resumed, continuous):
+        assert max(rec.drain[sim.DRAIN_WARNING]) <= z.worst_early_drain_s
+    assert max(resumed.drain[sim.DRAIN_TERM]) > 0.5 * w.kill_wait
+    # what is left at SIGTERM is at most what the ranks wrote during one short last pass
+    assert max(continuous.drain[sim.DRAIN_TERM]) < 0.1 * w.kill_wait
