@@ -663,8 +663,9 @@ def table(rows: list[Result]) -> str:
     """One markdown row per node count: the plan's number beside the simulation's."""
     head = ("| nodes | t_upload s | ideal peak | ours: peak (steady) | reference: peak (steady) "
             "| aggregate MiB/s: plan / sim | drain aggregate GiB/s: plan / sim "
-            "| creates+renames/min: plan / sim (peak) | SIGTERM drain s: p50 / max (plan bound) "
-            "| warning s | warning drain max s (plan bound) | reference drain max s |")
+            "| creates+renames/min: plan / sim (peak) | SIGTERM drain s: p50 / max (plan bound), nodes late "
+            "| warning s | warning drain max s (plan bound) | then SIGTERM drain max s (nodes over KillWait) "
+            "| reference drain max s (nodes over KillWait) |")
     out = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         p, o, ow, ref = r.plan, r.ours, r.ours_warned, r.reference
@@ -677,9 +678,10 @@ def table(rows: list[Result]) -> str:
             f"| {p['metadata_ops_per_min']:.0f} / {o['metadata_ops_per_min']['mean_steady']:.0f} "
             f"({o['metadata_ops_per_min']['peak']}) "
             f"| {o['drain_s']['drain-term']['p50']:.1f} / {o['drain_s']['drain-term']['max']:.1f} "
-            f"({p['worst_drain_s']:.1f}) | {p['warning_s']} "
+            f"({p['worst_drain_s']:.1f}), {o['drain_over_kill_wait']} | {p['warning_s']} "
             f"| {ow['drain_s']['drain-warning']['max']:.1f} ({p['worst_early_drain_s']:.1f}) "
-            f"| {ref['drain_s']['drain-term']['max']:.1f} |")
+            f"| {ow['drain_s']['drain-term']['max']:.1f} ({ow['drain_over_kill_wait']}) "
+            f"| {ref['drain_s']['drain-term']['max']:.1f} ({ref['drain_over_kill_wait']}) |")
     return "\n".join(out)
 
 

@@ -176,7 +176,8 @@ def test_a_bad_workload_is_refused_by_name(field: str, value: Any) -> None:
 
 def test_cli_writes_the_plot_and_the_figures(tmp_path: Path) -> None:
     png, js = tmp_path / "s.png", tmp_path / "s.json"
-    assert sim.main(["--nodes", "20", "--ranks", "2", "--hours", "0.1", "--png", str(png), "--json", str(js)]) == 0
+    argv = ["--nodes", "20", "--ranks", "2", "--hours", "0.1", "--jobs", "1", "--png", str(png), "--json", str(js)]
+    assert sim.main(argv) == 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     import json
 
