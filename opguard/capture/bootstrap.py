@@ -20,7 +20,7 @@ from types import ModuleType
 from typing import Any
 
 from opguard.capture.options import CaptureOptions
-from opguard.errors import ConfigError
+from opguard.errors import ConfigError, OpguardError
 
 SITE_DIR = Path(__file__).resolve().parent / "_site"
 ENABLE = "OPGUARD_CAPTURE"
@@ -101,9 +101,9 @@ class _TorchHook(importlib.abc.MetaPathFinder):
             original(module)
             try:
                 start_capture()
-            except Exception as e:
-                print(f"opguard capture: cannot start capture in pid {os.getpid()}: {e}", file=sys.stderr, flush=True)
-                raise
+            except OpguardError as err:  # e.g. staging enabled but unusable: refuse, never run uncaptured
+                print(f"opguard capture: refusing to start (pid {os.getpid()}): {err}", file=sys.stderr, flush=True)
+                raise SystemExit(err.exit_code) from None
 
         loader.exec_module = exec_module  # type: ignore[method-assign]
         return spec

@@ -25,6 +25,12 @@ def _chain() -> None:
 
 if os.environ.get("OPGUARD_CAPTURE", "").strip().lower() in ("1", "true", "yes", "on"):
     from opguard.capture.bootstrap import install_hook
+    from opguard.errors import OpguardError
 
-    install_hook()
+    try:
+        install_hook()
+    except OpguardError as err:
+        # site.py would print a warning and run the program uncaptured: refuse instead
+        sys.stderr.write(f"opguard capture: refusing to start (pid {os.getpid()}): {err}\n")
+        raise SystemExit(err.exit_code) from None
 _chain()

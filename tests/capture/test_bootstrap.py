@@ -1,0 +1,104 @@
+"""The launcher-facing side: options, child_env (pure, no torch), agent detection, the
+sitecustomize chain. These tests need no torch."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from opguard.capture.bootstrap import SITE_DIR, child_env, is_agent
+from opguard.capture.options import CaptureOptions, StepSet
+from opguard.errors import ConfigError
+from tests.conftest import REPO
+
+
+def test_child_env_is_pure_and_complete() -> None:
+    env = {"PATH": "/bin", "PYTHONPATH": "/user/lib", "OPGUARD_TRACE_OUTPUT_BASE": "/x"}
+    out = child_env(env, CaptureOptions(digest="xor", steps=StepSet.parse("2-4", "steps"), max_mb=5))
+    assert env == {"PATH": "/bin", "PYTHONPATH": "/user/lib", "OPGUARD_TRACE_OUTPUT_BASE": "/x"}
+    assert out["OPGUARD_CAPTURE"] == "1"
+    assert out["PYTHONPATH"].split(os.pathsep)[:2] == [str(SITE_DIR), "/user/lib"]
+    assert CaptureOptions.from_env(out) == CaptureOptions(digest="xor", steps=StepSet(((2, 4),)), max_mb=5)
+    again = child_env(out)
+    assert again["PYTHONPATH"].split(os.pathsep).count(str(SITE_DIR)) == 1
+
+
+def test_importing_the_bootstrap_does_not_import_torch() -> None:
+    code = ("import opguard.capture, opguard.capture.bootstrap, opguard.capture.options, sys; "
+            "print(any(m.split('.')[0] in ('torch', 'numpy') for m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO)
+    assert out.stdout.strip() == "False"
+
+
+@pytest.mark.parametrize(("env", "match"), [
+    ({"OPGUARD_CAPTURE_DIGEST": "md5"}, "OPGUARD_CAPTURE_DIGEST"),
+    ({"OPGUARD_CAPTURE_LEVEL": "aten"}, "OPGUARD_CAPTURE_LEVEL"),
+    ({"OPGUARD_CAPTURE_STEPS": "3-1"}, "OPGUARD_CAPTURE_STEPS='3-1'"),
+    ({"OPGUARD_CAPTURE_STEPS": "x"}, "OPGUARD_CAPTURE_STEPS='x'"),
+    ({"OPGUARD_CAPTURE_MAX_MB": "0"}, "OPGUARD_CAPTURE_MAX_MB"),
+    ({"OPGUARD_CAPTURE_MAX_MB": "lots"}, "OPGUARD_CAPTURE_MAX_MB='lots'"),
+    ({"OPGUARD_CAPTURE_BUFFER": "0"}, "OPGUARD_CAPTURE_BUFFER"),
+    ({"OPGUARD_CAPTURE_DUMP_SITES": "train.py"}, "FILE:LINE"),
+    ({"OPGUARD_CAPTURE_NESTED": "maybe"}, "OPGUARD_CAPTURE_NESTED='maybe'"),
+])
+def test_bad_options_name_the_variable_and_the_fix(env: dict[str, str], match: str) -> None:
+    with pytest.raises(ConfigError, match=match) as info:
+        child_env(env)
+    assert info.value.fix
+
+
+def test_steps_parsing() -> None:
+    s = StepSet.parse("0-2, 7", "steps")
+    assert [i for i in range(10) if i in s] == [0, 1, 2, 7]
+    assert 10**9 in StepSet.parse("all", "steps") and 0 not in StepSet.parse("none", "steps")
+    assert str(s) == "0-2,7"
+
+
+@pytest.mark.parametrize(("orig", "argv", "agent"), [
+    (["python", "-m", "torch.distributed.run", "--nproc-per-node=2", "a.py"], ["-m"], True),
+    (["python", "-mtorch.distributed.launch", "a.py"], ["-m"], True),
+    (["/venv/bin/python", "/venv/bin/torchrun", "a.py"], ["/venv/bin/torchrun", "a.py"], True),
+    (["python", "-u", "train.py"], ["train.py"], False),
+    (["python", "-m", "mypkg.train"], ["-m"], False),
+    (["python", "-c", "import torch"], ["-c"], False),
+])
+def test_agent_detection(orig: list[str], argv: list[str], agent: bool) -> None:
+    assert is_agent(orig, argv) is agent
+
+
+def test_sitecustomize_chains_to_an_existing_one_and_stays_off_without_the_flag(tmp_path: Path) -> None:
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "sitecustomize.py").write_text("import os\nos.environ['CHAINED'] = 'yes'\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OPGUARD_")}
+    env = child_env({**env, "PYTHONPATH": str(other), "OPGUARD_TRACE_OUTPUT_BASE": str(tmp_path / "t")})
+    code = "import os, sys; print(os.environ.get('CHAINED'), 'opguard.capture.bootstrap' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["yes", "True"]
+    env["OPGUARD_CAPTURE"] = "0"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["yes", "False"]
+    assert not (tmp_path / "t").exists()                     # no torch imported: nothing captured
+
+
+def test_bad_option_fails_at_interpreter_start(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OPGUARD_")}
+    env = child_env({**env, "OPGUARD_TRACE_OUTPUT_BASE": str(tmp_path / "t")})
+    env["OPGUARD_CAPTURE_DIGEST"] = "crc"
+    r = subprocess.run([sys.executable, "-c", "print('ran')"], env=env, capture_output=True, text=True)
+    assert r.returncode != 0 and "ran" not in r.stdout and "OPGUARD_CAPTURE_DIGEST" in r.stderr
+
+
+def test_unusable_staging_refuses_the_program(tmp_path: Path) -> None:
+    pytest.importorskip("torch", reason="capture needs torch (pip install torch, CPU build)")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OPGUARD_")}
+    env = child_env({**env, "OPGUARD_LOCAL_DUMP_ENABLED": "1", "OPGUARD_LOCAL_DUMP_TARGET": str(tmp_path / "shared"),
+                     "OPGUARD_LOCAL_DUMP_BASE": str(tmp_path / "no-such-dir")})
+    r = subprocess.run([sys.executable, "-c", "import torch; print('ran')"], env=env, capture_output=True, text=True)
+    assert r.returncode == 2 and "ran" not in r.stdout
+    assert "OPGUARD_LOCAL_DUMP_BASE" in r.stderr and "refusing" in r.stderr
+    assert not (tmp_path / "shared").exists()
