@@ -12,9 +12,12 @@ clock:
 
 and it checks the result against the plan's formulas (``schedule.ClusterSizing``). What it does
 model is only what cannot run here: the ranks' data (JSON lines at a steady rate plus whole
-files at a fixed period), the wrapper's loop (one ``opguard sync --all`` per interval per node;
-a tick that falls inside a running sync is skipped), the drains (``--signal`` warning at
-``job - W``, SIGTERM at ``job``), and the filesystem (an upload of ``b`` bytes takes exactly
+files at a fixed period), the wrapper's loop as ``launcher/supervise.py`` runs it (one sync at a
+time; the next periodic sync one interval after the previous one started, at once if that has
+passed; a requested drain after the running sync; periodic syncs resume after a warning drain,
+or with ``--continuous-after-warning`` final passes repeat until SIGTERM), the drains
+(``--signal`` warning at ``job - W``, SIGTERM at ``job``, when the ranks stop writing), and
+the filesystem (an upload of ``b`` bytes takes exactly
 what the bucket makes it wait; compression is a ratio, 1.0 = incompressible = worst case).
 
 Nodes never coordinate (there is no cluster-wide scheduler), so each node is simulated on its
@@ -30,7 +33,7 @@ and an upload in progress at that moment is abandoned and redone.
 Run (figures in docs/sizing.md)::
 
     .venv/bin/python bench/simulate_cluster.py --nodes 1000 --ranks 8 --hours 1 \
-        --png docs/sizing-1000x8.png --json /tmp/sim.json
+        --reference-per-rank --png docs/sizing-1000x8.png --json /tmp/sim1000.json
     .venv/bin/python bench/simulate_cluster.py --table 64,256,1024 --ranks 8 --hours 1
 """
 
@@ -685,6 +688,14 @@ def table(rows: list[Result]) -> str:
     return "\n".join(out)
 
 
+def _workload(a: argparse.Namespace) -> Workload:
+    return Workload(nodes=a.nodes, ranks=a.ranks, job_seconds=a.hours * 3600, interval=a.interval,
+                    batch_bytes=a.batch_mib * MIB, cap_mib_s=a.mbps, jsonl_bytes_per_s=a.jsonl_mib_s * MIB,
+                    file_bytes=int(a.file_mib * MIB), file_period=a.file_period, compress_ratio=a.compress,
+                    kill_wait=a.kill_wait, warning_s=a.warning, chunk_bytes=int(a.chunk_mib * MIB), grid=a.grid,
+                    continuous_after_warning=a.continuous_after_warning)
+
+
 def main(argv: list[str] | None = None) -> int:
     d = Workload()
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -712,11 +723,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--png", type=Path, help="write the plot here")
     ap.add_argument("--json", type=Path, help="write the figures here")
     a = ap.parse_args(argv)
-    base = Workload(nodes=a.nodes, ranks=a.ranks, job_seconds=a.hours * 3600, interval=a.interval,
-                    batch_bytes=a.batch_mib * MIB, cap_mib_s=a.mbps, jsonl_bytes_per_s=a.jsonl_mib_s * MIB,
-                    file_bytes=int(a.file_mib * MIB), file_period=a.file_period, compress_ratio=a.compress,
-                    kill_wait=a.kill_wait, warning_s=a.warning, chunk_bytes=int(a.chunk_mib * MIB), grid=a.grid,
-                    continuous_after_warning=a.continuous_after_warning)
+    try:
+        base = _workload(a)
+    except ValueError as e:
+        ap.error(f"{e} (fix the matching --option)")
     if a.table:
         rows = [run(replace(base, nodes=int(n)), a.jobs) for n in a.table.split(",")]
         print(table(rows))

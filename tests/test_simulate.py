@@ -201,3 +201,10 @@ def test_a_drain_that_continues_until_sigterm_makes_the_warning_sufficient() -> 
     assert max(resumed.drain[sim.DRAIN_TERM]) > 0.5 * w.kill_wait
     # what is left at SIGTERM is at most what the ranks wrote during one short last pass
     assert max(continuous.drain[sim.DRAIN_TERM]) < 0.1 * w.kill_wait
+
+
+def test_cli_refuses_a_bad_option_naming_it(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        sim.main(["--nodes", "0", "--jobs", "1"])
+    assert exc.value.code == 2
+    assert "nodes=0 must be > 0" in capsys.readouterr().err
