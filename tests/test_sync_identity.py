@@ -135,3 +135,21 @@ def test_accepted_target_round_trip_is_untouched_by_a_second_identical_sync(stag
     before = tree_of(target)
     sync(staging_env)
     assert tree_of(target) == before
+
+
+def test_pending_batch_that_does_not_follow_the_checkpoint(staging_env: dict[str, str]) -> None:
+    env = {**staging_env, "OPGUARD_SYNC_LOCK_TIMEOUT": "0.2"}
+    _data(env)
+    sd = Path(env["OPGUARD_LOCAL_DUMP_BASE"]) / "state" / "streams" / "rank-000000"
+    # leave a pending batch behind: the node upload lock is held by "someone"
+    import filelock
+
+    lock = filelock.FileLock(str(Path(env["OPGUARD_LOCAL_DUMP_BASE"]) / "state" / "locks" / "node-upload.lock"))
+    (Path(env["OPGUARD_LOCAL_DUMP_BASE"]) / "state" / "locks").mkdir(parents=True)
+    with lock:
+        r = opguard(env, "sync")  # another process: the lock is really contended
+    assert r.returncode == 3 and (sd / "pending.json").exists()
+    doc = json.loads((sd / "pending.json").read_text())
+    doc["sequence"] = 5
+    (sd / "pending.json").write_text(json.dumps(doc))
+    refused(env, "pending.json holds batch 5", "checkpoint's next batch is 1")

@@ -185,6 +185,13 @@ def check_stream(config: StagingConfig, layout: Layout, stream: str) -> tuple[Ch
         raise IdentityError(
             f"checkpoint {sd}/checkpoint.json is for run {cp.run_id!r}, target {cp.target!r}, stream {cp.stream!r}",
             "restore the matching staging directory, or use a fresh OPGUARD_LOCAL_DUMP_BASE for this run")
+    if pending is not None and not (
+            pending.sequence == cp.next_sequence
+            or (pending.sequence == cp.next_sequence - 1 and pending.digest == cp.head_digest)):
+        raise IdentityError(
+            f"{sd}/pending.json holds batch {pending.sequence} ({pending.digest}) but the checkpoint's next batch "
+            f"is {cp.next_sequence}: the local state is inconsistent (edited or mixed from two copies)",
+            "restore the staging directory from one consistent copy, or choose a new run ID")
     expected = (cp.next_sequence - 1, cp.head_digest)
     head = batches[-1] if batches else (0, None)
     ok = head == expected
