@@ -31,6 +31,9 @@ class Diff:
     numeric: dict[str, dict[str, float]] = field(default_factory=dict)
 
 
+_OK = Diff(OK)
+
+
 def _compare_slots(kind: str, a: list[Slot], b: list[Slot], out: list[str]) -> list[tuple[Slot, Slot]]:
     by_a = {s.name: s for s in a}
     by_b = {s.name: s for s in b}
@@ -104,6 +107,9 @@ def dump_errors(pa: str, pb: str) -> dict[str, float]:
 
 
 def diff_pair(a: Record, b: Record) -> Diff:
+    if [s.signature() for s in a.inputs] == [s.signature() for s in b.inputs] and \
+            [s.signature() for s in a.outputs] == [s.signature() for s in b.outputs]:
+        return _OK
     fields: list[str] = []
     _compare_slots("inputs", a.inputs, b.inputs, fields)
     inputs_equal = not fields

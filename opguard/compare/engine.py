@@ -15,10 +15,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from opguard.compare.diff import MISMATCH, OK, UNALIGNED, Diff, diff_pair
+from opguard.compare.diff import MISMATCH, OK, UNALIGNED, diff_pair
+from opguard.compare.opevents import OpEncoder
 from opguard.compare.pairing import NO_ANCHOR, NO_CORRESPONDING_FILE, Pairing, pair_streams
 from opguard.compare.perfetto_export import ROW_NS, ExportWriter
-from opguard.compare.records import Record, Slot
+from opguard.compare.records import Record
 from opguard.compare.sources import Run, Stream, open_run
 from opguard.compare.summary import FirstMismatch, StreamSummary, Summary
 from opguard.errors import ConfigError
@@ -53,14 +54,12 @@ def _index(stream: Stream, intern: dict[str, int]) -> _Index:
     anchors = array("Q")
     coll: list[int] = []
     all_digests = True
-    for rec in stream.records():
-        kid = _intern(intern, rec.key())
-        keys.append(kid)
-        line_keys.append(_intern(intern, rec.line_key()))
-        all_digests = all_digests and rec.line_digest is not None
-        text = None if rec.collective else rec.anchor_text()
-        anchors.append(anchor_hash(text) if text else NO_ANCHOR)
-        if rec.collective:
+    for key, line_key, text, collective, has_digest in stream.index_fields():
+        keys.append(_intern(intern, key))
+        line_keys.append(_intern(intern, line_key))
+        all_digests = all_digests and has_digest
+        anchors.append(anchor_hash(text) if text and not collective else NO_ANCHOR)
+        if collective:
             coll.append(len(keys) - 1)
     return _Index(keys, line_keys, anchors, coll, all_digests)
 
@@ -83,54 +82,6 @@ def record_id(run: str, rec: Record, stream: str) -> str:
     return f"{run}/rank{rec.rank}/{stream}/{rec.index}"
 
 
-def _slot_dict(s: Slot) -> dict[str, object]:
-    d: dict[str, object] = {"digest": s.digest, "dtype": s.dtype,
-                            "shape": None if s.shape is None else str(list(s.shape)), "device": s.device,
-                            "dump": s.dump}
-    if s.stats:
-        d["stats"] = dict(s.stats)
-    return d
-
-
-class _Emitter:
-    def __init__(self, writer: ExportWriter) -> None:
-        self.w = writer
-        self.ann = writer.ann
-        self.flow = 0
-
-    def op(self, track: int, ts: int, run: str, stream: str, rec: Record, rid: str,
-           correspondence: dict[str, object], status: str, diff: Diff | None,
-           flow_out: int | None = None, flow_in: int | None = None) -> None:
-        a = self.ann
-        anns = [a.s("record_id", rid), a.s("run", run), a.i("rank", rec.rank), a.s("stream", stream),
-                a.i("index", rec.index)]
-        if rec.seq is not None:
-            anns.append(a.i("seq", int(rec.seq)))
-        if rec.step is not None:
-            anns.append(a.i("step", int(rec.step)))
-        cs: dict[str, object] = {"file": rec.file, "line": rec.line, "scope": rec.scope,
-                                 "line_sha256": rec.line_digest, "identity": rec.site}
-        anns.append(a.value("callsite", cs))
-        if rec.context:
-            anns.append(a.s("context", rec.context))
-        if rec.collective:
-            anns.append(a.b("collective", True))
-        anns.append(a.value("correspondence", correspondence))
-        if correspondence.get("state") == "paired":
-            anns.append(a.s("validation", "unreviewed"))
-        anns.append(a.s("status", status))
-        if diff is not None and diff.status == MISMATCH:
-            dd: dict[str, object] = {"fields": ", ".join(diff.fields), "inputs_equal": diff.inputs_equal}
-            dd.update(diff.numeric)
-            anns.append(a.value("diff", dd))
-        if rec.inputs:
-            anns.append(a.value("inputs", {s.name: _slot_dict(s) for s in rec.inputs}))
-        if rec.outputs:
-            anns.append(a.value("outputs", {s.name: _slot_dict(s) for s in rec.outputs}))
-        self.w.slice(track, ts, rec.function, anns, flows_out=() if flow_out is None else (flow_out,),
-                     flows_in=() if flow_in is None else (flow_in,))
-
-
 def _where(rec: Record) -> str:
     return f"{rec.file or '?'}:{rec.line if rec.line is not None else '?'}"
 
@@ -145,7 +96,7 @@ def _walk(pairing: Pairing, recs_a: Iterator[Record], recs_b: Iterator[Record]) 
         yield ra, rb
 
 
-def _compare_stream(em: _Emitter, sa: Stream, sb: Stream, tracks: tuple[int, int], summ: StreamSummary,
+def _compare_stream(em: OpEncoder, sa: Stream, sb: Stream, tracks: tuple[int, int], summ: StreamSummary,
                     intern: dict[str, int]) -> None:
     ia, ib = _index(sa, intern), _index(sb, intern)
     if not (ia.all_digests and ib.all_digests):
@@ -192,7 +143,7 @@ def _compare_stream(em: _Emitter, sa: Stream, sb: Stream, tracks: tuple[int, int
         unresolved += 1
 
 
-def _export_only(em: _Emitter, side: str, st: Stream, track: int, summ: StreamSummary) -> None:
+def _export_only(em: OpEncoder, side: str, st: Stream, track: int, summ: StreamSummary) -> None:
     n = 0
     for rec in st.records():
         em.op(track, rec.index * ROW_NS, side, st.name, rec, record_id(side, rec, st.name),
@@ -238,7 +189,7 @@ def compare(a: str, b: str, out: Path) -> Summary:
         writer = ExportWriter(out, attributes)
         summary = Summary(export_path=str(out))
         try:
-            em = _Emitter(writer)
+            em = OpEncoder(writer)
             top_a = writer.track(f"run A: {a}", order=0, description=attributes["opguard.input_a.path"])  # type: ignore[arg-type]
             top_b = writer.track(f"run B: {b}", order=1, description=attributes["opguard.input_b.path"])  # type: ignore[arg-type]
             intern: dict[str, int] = {}

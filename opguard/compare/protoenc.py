@@ -105,6 +105,10 @@ class Annotations:
         self._iid: dict[str, bytes] = {}
         self._new: list[bytes] = []
 
+    def name(self, name: str) -> bytes:
+        """The encoded (interned) name field of an annotation."""
+        return self._name(name)
+
     def _name(self, name: str) -> bytes:
         b = self._iid.get(name)
         if b is None:

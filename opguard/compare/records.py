@@ -68,10 +68,7 @@ class Record:
 
     def anchor_text(self) -> str | None:
         """Captured-input identity for anchors: function + every input slot's digest (None if none)."""
-        digests = [f"{s.name}={s.digest}" for s in self.inputs if s.digest]
-        if not digests:
-            return None
-        return self.function + "\x00" + "\x00".join(digests)
+        return anchor_text(self.function, [(s.name, s.digest) for s in self.inputs if s.digest])
 
 
 def is_collective(function: str) -> bool:
@@ -133,7 +130,7 @@ EMPTY_SHA256 = hashlib.sha256(b"").hexdigest()
 
 
 def _shape(v: Any) -> tuple[int, ...] | None:
-    if isinstance(v, list | tuple) and all(isinstance(x, int) for x in v):
+    if v.__class__ is list and all(x.__class__ is int for x in v):
         return tuple(v)
     return None
 
@@ -141,6 +138,10 @@ def _shape(v: Any) -> tuple[int, ...] | None:
 def _stats(v: Any) -> dict[str, float] | None:
     if not isinstance(v, Mapping):
         return None
+    try:
+        return {k: float(x) for k, x in v.items()}      # numbers, or "nan"/"inf"/"-inf" (docs/capture.md §3)
+    except (TypeError, ValueError):
+        pass
     out: dict[str, float] = {}
     for k, x in v.items():
         if (isinstance(x, int | float) and not isinstance(x, bool)) or x in ("nan", "inf", "-inf"):
@@ -148,16 +149,14 @@ def _stats(v: Any) -> dict[str, float] | None:
     return out
 
 
+def _str(v: Any) -> str | None:
+    return v if v.__class__ is str else None
+
+
 def capture_slot(raw: Mapping[str, Any], default_name: str) -> Slot:
-    digest = raw.get("digest")
-    return Slot(
-        name=str(raw.get("slot", default_name)),
-        digest=digest if isinstance(digest, str) else None,
-        dtype=raw.get("dtype") if isinstance(raw.get("dtype"), str) else None,
-        shape=_shape(raw.get("shape")),
-        device=raw.get("device") if isinstance(raw.get("device"), str) else None,
-        stats=_stats(raw.get("stats")),
-    )
+    stats = raw.get("stats")
+    return Slot(str(raw.get("slot", default_name)), _str(raw.get("digest")), _str(raw.get("dtype")),
+                _shape(raw.get("shape")), _str(raw.get("device")), None if stats is None else _stats(stats))
 
 
 def capture_context(obj: Mapping[str, Any]) -> str:
@@ -168,29 +167,84 @@ def capture_context(obj: Mapping[str, Any]) -> str:
     return "|".join(parts)
 
 
-def from_capture(obj: Mapping[str, Any], index: int, sources: SourceIndex | None, where: str) -> Record:
-    """An ``op`` record of docs/capture.md §3.1 as a :class:`Record`."""
-    try:
+@dataclass(slots=True, frozen=True)
+class Site:
+    """Everything a capture record's call-site fields determine (computed once per distinct site)."""
+
+    function: str
+    file: str | None
+    line: int | None
+    scope: str | None
+    line_digest: str | None
+    site: str
+    context: str
+    collective: bool
+    key: str
+    line_key: str
+
+
+class SiteCache:
+    """Call sites of capture records by their raw fields: identity work once per distinct site."""
+
+    def __init__(self, sources: SourceIndex | None) -> None:
+        self.sources = sources
+        self._sites: dict[tuple[Any, ...], Site] = {}
+
+    def get(self, obj: Mapping[str, Any]) -> Site:
+        raw = (obj["fn"], obj.get("file"), obj.get("line"), obj.get("src"), obj.get("func"), obj.get("module"),
+               obj.get("context"), obj.get("phase"), obj.get("api"))
+        site = self._sites.get(raw)
+        if site is None:
+            site = self._sites[raw] = self._make(obj)
+        return site
+
+    def _make(self, obj: Mapping[str, Any]) -> Site:
         file = obj.get("file")
         line = obj.get("line")
         digest = obj.get("src")
         if digest == EMPTY_SHA256 or not isinstance(digest, str):
             digest = None            # the source line was unavailable when captured
         occurrence = None
-        if sources is not None and file and isinstance(line, int):
-            digest, occurrence = sources.digest_and_occurrence(file, line, digest)
+        if self.sources is not None and file and isinstance(line, int):
+            digest, occurrence = self.sources.digest_and_occurrence(file, line, digest)
         function = str(obj["fn"])
-        inputs = [capture_slot(s, f"in{i}") for i, s in enumerate(obj.get("inputs") or [])]
-        outputs = [capture_slot(s, f"out{i}") for i, s in enumerate(obj.get("outputs") or [])]
+        ident = line_site(file, line, digest, occurrence)
+        context = capture_context(obj)
+        return Site(function, file, line, obj.get("func"), digest, ident, context,
+                    obj.get("api") == "collective" or is_collective(function),
+                    f"{function}\x00{ident}\x00{context}",
+                    f"{function}\x00{line_site(file, line, None, None)}\x00{context}")
+
+
+def anchor_text(function: str, pairs: list[tuple[str, str]]) -> str | None:
+    """Captured-input identity for anchors: function + every input slot's digest (None if none)."""
+    if not pairs:
+        return None
+    return function + "\x00" + "\x00".join(f"{n}={d}" for n, d in pairs)
+
+
+def capture_index_fields(obj: Mapping[str, Any], sites: SiteCache) -> tuple[Site, str | None]:
+    """What pairing needs of a capture op record, without building its slots."""
+    site = sites.get(obj)
+    pairs = []
+    for i, s in enumerate(obj.get("inputs") or ()):
+        d = s.get("digest")
+        if d:
+            pairs.append((str(s.get("slot", f"in{i}")), d))
+    return site, anchor_text(site.function, pairs)
+
+
+def from_capture(obj: Mapping[str, Any], index: int, sites: SiteCache, where: str) -> Record:
+    """An ``op`` record of docs/capture.md §3.1 as a :class:`Record`."""
+    try:
+        site = sites.get(obj)
+        inputs = [capture_slot(s, f"in{i}") for i, s in enumerate(obj.get("inputs") or ())]
+        outputs = [capture_slot(s, f"out{i}") for i, s in enumerate(obj.get("outputs") or ())]
         if obj.get("error"):
             outputs.append(Slot(name="error", digest=str(obj["error"])))
-        return Record(
-            rank=int(obj["rank"]), index=index, function=function,
-            site=line_site(file, line, digest, occurrence), file=file, line=line,
-            scope=obj.get("func"), line_digest=digest, context=capture_context(obj),
-            seq=obj.get("seq"), step=obj.get("step"),
-            collective=obj.get("api") == "collective" or is_collective(function),
-            inputs=inputs, outputs=outputs)
+        return Record(obj["rank"], index, site.function, site.site, site.file, site.line, site.scope,
+                      site.line_digest, site.context, obj.get("seq"), obj.get("step"), site.collective,
+                      inputs, outputs)
     except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise ConfigError(f"{where}: not an opguard capture op record ({type(e).__name__}: {e})",
                           "pass a trace directory written by opguard capture (docs/capture.md)") from None

@@ -26,11 +26,14 @@ import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from opguard.compare.records import (
     CAPTURE_VERSION,
     Record,
+    SiteCache,
     SourceIndex,
+    capture_index_fields,
     from_capture,
     from_reference,
     iter_jsonl,
@@ -60,52 +63,72 @@ class Stream:
     rank_dir: Path = Path()
     dumps: dict[int, dict[str, str]] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    sites: SiteCache = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.sites = SiteCache(self.sources)
 
     @property
     def key(self) -> tuple[int, str]:
         return (self.rank, self.name)
 
-    def records(self) -> Iterator[Record]:
-        if self.kind == KIND_REFERENCE:
-            yield from self._reference_records()
-            return
-        index = 0
+    def _capture_ops(self) -> Iterator[tuple[Path, int, dict[str, Any]]]:
+        """The ``op`` records of a capture stream; dump, cap and end records and seq gaps are noted."""
         expect_seq: int | None = None
         self.notes.clear()
         ended = False
         for path in self.files:
             for n, obj in iter_jsonl(path):
                 kind = obj.get("kind")
-                if obj.get("v") != CAPTURE_VERSION and kind is not None:
+                if obj.get("v") != CAPTURE_VERSION:
                     raise IdentityError(f"{path}:{n}: capture record version {obj.get('v')!r}; this opguard reads "
                                         f"version {CAPTURE_VERSION}", "upgrade opguard to compare this run")
-                if kind == "dump":
+                if kind == "op":
+                    if obj.get("rank") != self.rank:
+                        raise ConfigError(f"{path}:{n}: record of rank {obj.get('rank')!r} in the directory of "
+                                          f"rank {self.rank}", "a rank directory must hold only its own records")
+                    seq = obj.get("seq")
+                    if seq.__class__ is int:
+                        if expect_seq is not None and seq > expect_seq:
+                            self.notes.append(f"records seq {expect_seq}..{seq - 1} are missing (a crash lost them)")
+                        expect_seq = seq + 1
+                    yield path, n, obj
+                elif kind == "dump":
                     self.dumps.setdefault(int(obj["seq"]), {})[str(obj["slot"])] = str(self.rank_dir / obj["path"])
-                    continue
-                if kind == "cap":
+                elif kind == "cap":
                     self.notes.append(f"capture reached its size cap at step {obj.get('step')} "
                                       f"(seq {obj.get('seq')}): later operations were not recorded")
-                    continue
-                if kind == "end":
+                elif kind == "end":
                     ended = True
-                    continue
-                if kind != "op":
-                    continue
-                rec = from_capture(obj, index, self.sources, f"{path}:{n}")
-                if rec.rank != self.rank:
-                    raise ConfigError(f"{path}:{n}: record of rank {rec.rank} in the directory of rank {self.rank}",
-                                      "a rank directory must hold only its own rank's records")
-                seq = obj.get("seq")
-                if isinstance(seq, int):
-                    if expect_seq is not None and seq > expect_seq:
-                        self.notes.append(f"records seq {expect_seq}..{seq - 1} are missing (a crash lost them)")
-                    expect_seq = seq + 1
-                    for slot in (*rec.inputs, *rec.outputs):
-                        slot.dump = self.dumps.get(seq, {}).get(slot.name)
-                index += 1
-                yield rec
         if not ended:
             self.notes.append("no end record: the capture did not end cleanly (the trace may be incomplete)")
+
+    def index_fields(self) -> Iterator[tuple[str, str, str | None, bool, bool]]:
+        """Per operation: (key, line key, anchor text, collective, has a source-line digest)."""
+        if self.kind == KIND_REFERENCE:
+            for rec in self._reference_records():
+                yield rec.key(), rec.line_key(), rec.anchor_text(), rec.collective, rec.line_digest is not None
+            return
+        for path, n, obj in self._capture_ops():
+            try:
+                site, text = capture_index_fields(obj, self.sites)
+            except (KeyError, TypeError, ValueError, AttributeError) as e:
+                raise ConfigError(f"{path}:{n}: not an opguard capture op record ({type(e).__name__}: {e})",
+                                  "pass a trace directory written by opguard capture (docs/capture.md)") from None
+            yield site.key, site.line_key, text, site.collective, site.line_digest is not None
+
+    def records(self) -> Iterator[Record]:
+        if self.kind == KIND_REFERENCE:
+            yield from self._reference_records()
+            return
+        dumps = self.dumps
+        for index, (path, n, obj) in enumerate(self._capture_ops()):
+            rec = from_capture(obj, index, self.sites, f"{path}:{n}")
+            if dumps and rec.seq in dumps:
+                slots = dumps[rec.seq]
+                for slot in (*rec.inputs, *rec.outputs):
+                    slot.dump = slots.get(slot.name)
+            yield rec
 
     def _reference_records(self) -> Iterator[Record]:
         recs: list[Record] = []

@@ -1,0 +1,131 @@
+"""Benchmark: `opguard compare` of N operations per side (default 1,000,000), capture schema v1.
+
+    .venv/bin/python bench/compare_bench.py [--ops 1000000] [--ranks 1] [--workdir DIR]
+
+Writes two synthetic runs in the documented capture schema (docs/capture.md §3): run B equals
+run A except for one inserted call in the middle of every rank (so the whole stream goes through
+the anchor path, not the equal-sequence fast path) and a numerical change shortly after it. Then it
+runs `opguard compare A B -o OUT` as a child process and reports wall time, peak RSS of the child,
+export size, trace GB/s, and the ratio to a baseline measured in the same run: reading and
+JSON-parsing both runs' trace lines (the least any compare of these files must do).
+Goals (docs/benchmarks.md): <= 60 s and <= 2 GB peak RSS for 1,000,000 operations per side.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import resource
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+FUNCS = ["torch.nn.functional.linear", "torch.relu", "torch.add", "Tensor.mul", "torch.matmul",
+         "torch.nn.functional.layer_norm", "torch.softmax", "Tensor.sum"]
+
+
+def _d(*parts: object) -> str:
+    return hashlib.blake2b(repr(parts).encode(), digest_size=8).hexdigest()
+
+
+def _src(line: int) -> str:
+    return hashlib.sha256(f"y{line} = f(x{line})".encode()).hexdigest()
+
+
+def write_run(base: Path, ranks: int, n: int, variant: str) -> int:
+    total = 0
+    srcs = {line: _src(line) for line in range(1000)}
+    for rank in range(ranks):
+        cap = base / "ranks" / f"rank-{rank:06d}" / "capture"
+        cap.mkdir(parents=True)
+        (cap / "meta.json").write_text(json.dumps({"schema": "opguard-capture", "version": 1, "rank": rank}))
+        mid = n // 2
+        seq = 0
+        with open(cap / "trace.jsonl", "w", buffering=1 << 22) as f:
+            prev = _d(rank, "input")
+            for i in range(n):
+                if variant == "b" and i == mid:     # one inserted call
+                    f.write(_record(seq, rank, "torch.clone", 999, srcs[999], prev, _d("x", i), i))
+                    seq += 1
+                changed = variant == "b" and i == mid + 10
+                out = _d(rank, i, "changed") if changed else _d(rank, i)
+                line = i % 64                        # 64 lines of a forward, run by 12 layers
+                f.write(_record(seq, rank, FUNCS[line % len(FUNCS)], line, srcs[line], prev, out, i))
+                seq += 1
+                prev = out
+            f.write(json.dumps({"v": 1, "kind": "end", "rank": rank, "records": seq, "cap_reached": False}) + "\n")
+        total += (cap / "trace.jsonl").stat().st_size
+    return total
+
+
+def _record(seq: int, rank: int, fn: str, line: int, src: str, a: str, out: str, i: int) -> str:
+    w = _d("w", i % 64)
+    return (f'{{"v":1,"kind":"op","seq":{seq},"step":{i // 10000},"rank":{rank},"api":"function","fn":"{fn}",'
+            f'"file":"/work/model.py","line":{line},"func":"forward","src":"{src}","site":{line},'
+            f'"module":"model.layers.{(i // 64) % 12}","context":null,"depth":0,"parent":null,"phase":"forward",'
+            f'"inputs":[{{"slot":"arg0","dtype":"float32","shape":[8,128,256],"device":"cpu","digest":"{a}"}},'
+            f'{{"slot":"arg1","dtype":"float32","shape":[256,256],"device":"cpu","digest":"{w}"}}],'
+            f'"outputs":[{{"slot":"out","dtype":"float32","shape":[8,128,256],"device":"cpu","digest":"{out}",'
+            f'"stats":{{"min":-4.1,"max":3.9,"mean":0.001,"std":0.99,"absmax":4.1,"nan":0,"inf":0}}}}]}}\n')
+
+
+def baseline(paths: list[Path]) -> float:
+    t = time.perf_counter()
+    for p in paths:
+        with open(p, "rb") as f:
+            for line in f:
+                json.loads(line)
+    return time.perf_counter() - t
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--ops", type=int, default=1_000_000)
+    ap.add_argument("--ranks", type=int, default=1)
+    ap.add_argument("--workdir", type=Path, default=None)
+    args = ap.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="opguard-compare-bench-", dir=args.workdir))
+    try:
+        per_rank = args.ops // args.ranks
+        t = time.perf_counter()
+        size_a = write_run(work / "a", args.ranks, per_rank, "a")
+        size_b = write_run(work / "b", args.ranks, per_rank, "b")
+        gen = time.perf_counter() - t
+        files = sorted(work.rglob("trace.jsonl"))
+        base_s = baseline(files)
+        out = work / "view.pftrace"
+        opguard = Path(sys.executable).parent / "opguard"
+        t = time.perf_counter()
+        p = subprocess.run([str(opguard), "compare", str(work / "a"), str(work / "b"), "-o", str(out)],
+                           capture_output=True, text=True)
+        wall = time.perf_counter() - t
+        peak_kib = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+        if p.returncode != 0:
+            print(p.stderr, file=sys.stderr)
+            raise SystemExit(f"compare failed with exit status {p.returncode}")
+        trace_bytes = size_a + size_b
+        result = {
+            "ops_per_side": per_rank * args.ranks, "ranks": args.ranks,
+            "trace_bytes": trace_bytes, "generate_s": round(gen, 1),
+            "baseline_parse_s": round(base_s, 2), "compare_s": round(wall, 2),
+            "ratio_to_baseline": round(wall / base_s, 2),
+            "trace_GB_per_s": round(trace_bytes / wall / 1e9, 3),
+            "peak_rss_MiB": round(peak_kib / 1024, 1), "export_bytes": out.stat().st_size,
+            "export_bytes_per_op": round(out.stat().st_size / (2 * per_rank * args.ranks), 1),
+            "goal_s": 60, "goal_rss_MiB": 2048,
+        }
+        print(json.dumps(result, indent=1))
+        print("\n".join(p.stderr.splitlines()[:8]), file=sys.stderr)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONHASHSEED", "0")
+    main()
