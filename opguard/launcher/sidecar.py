@@ -37,8 +37,10 @@ def sync_argv(identity: Identity, final: bool, report: Path) -> list[str]:
         if identity.node_duty:
             args.append("--node")
     if final:
-        args.append("--final")
-    args += ["--report-json", str(report), "--quiet"]
+        args.append("--final")  # not quiet: its per-batch lines become the drain's progress lines
+    args += ["--report-json", str(report)]
+    if not final:
+        args.append("--quiet")
     return args
 
 
@@ -111,6 +113,19 @@ class RunningSync:
     started: float
     report_path: Path
     stderr_path: Path
+    read_offset: int = 0
+
+    def new_lines(self) -> list[str]:
+        """Complete lines the sync wrote to its stderr since the last call."""
+        try:
+            with open(self.stderr_path, "rb") as f:
+                f.seek(self.read_offset)
+                data = f.read()
+        except OSError:
+            return []
+        end = data.rfind(b"\n") + 1
+        self.read_offset += end
+        return data[:end].decode(errors="replace").splitlines()
 
 
 @dataclass

@@ -38,6 +38,7 @@ from opguard.launcher.sidecar import Sidecar, SyncResult, node_env
 
 PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
+DRAIN_PROGRESS_S = 2.0
 TREE_REFRESH_S = 5.0  # the subreaper keeps orphans in the tree; the snapshot is a second net
 
 
@@ -249,8 +250,9 @@ class Supervisor:
         try:
             while True:
                 now = time.monotonic()
+                progress = now + DRAIN_PROGRESS_S if self._draining() else None
                 timers = [t for t in (self.next_sync if self.child_code is None else None, self.next_countdown,
-                                      next_tree if self.child_code is None or self.tree.seen else None,
+                                      progress, next_tree if self.child_code is None or self.tree.seen else None,
                                       self.kill_at, drain_deadline) if t is not None]
                 timeout = max(0.0, min(timers) - now) if timers else None
                 for key, _ in sel.select(timeout):
@@ -269,7 +271,8 @@ class Supervisor:
                         drain_deadline = now + opts.drain_timeout
                 if now >= next_tree:
                     self.tree.refresh({self.sidecar.pid} if self.sidecar and self.sidecar.pid else set())
-                    next_tree = now + TREE_REFRESH_S
+                    # after the command exited, leftovers are watched closely (orphans give no pidfd)
+                    next_tree = now + (TREE_REFRESH_S if self.child_code is None else 0.2)
                     if self.child_code is not None:
                         self.tree.alive()
                 if self.kill_at is not None and now >= self.kill_at:
@@ -277,6 +280,9 @@ class Supervisor:
                 if self.next_countdown is not None and now >= self.next_countdown and self.child_code is None:
                     self._countdown(now)
                 if self.sidecar is not None:
+                    self._relay_drain_progress()
+                    if self.sidecar.running is not None and self.sidecar.running.proc.poll() is not None:
+                        self._relay_drain_progress()  # its last lines, before the result line
                     res = self.sidecar.poll()
                     if res is not None:
                         if sync_fd is not None:
@@ -313,6 +319,19 @@ class Supervisor:
             self._cleanup_tree(final=True)
         assert self.child_code is not None
         return self._finish()
+
+    def _draining(self) -> bool:
+        r = self.sidecar.running if self.sidecar is not None else None
+        return r is not None and r.final
+
+    def _relay_drain_progress(self) -> None:
+        """The drain progress lines: what the final sync published so far."""
+        r = self.sidecar.running if self.sidecar is not None else None
+        if r is None or not r.final:
+            return
+        for line in r.new_lines():
+            if self.opts.verbose or (not self.opts.quiet and "published batch" in line):
+                self.say("opguard-run: drain: " + line.removeprefix("opguard sync: "))
 
     def _done(self) -> bool:
         if self.tree.alive():

@@ -79,6 +79,7 @@ def test_sigterm_forwarded_everything_published_exit_code_is_childs(staging_env:
     assert p.returncode == 3, err  # the child's own exit code, not 143 and not 0
     assert (out / "signals.txt").read_text().split() == ["SIGTERM"]
     assert "final drain requested (SIGTERM)" in err and "drain complete" in err
+    assert "opguard-run: drain: rank-000000: published batch 1" in err  # drain progress lines
     local = Path(env["OPGUARD_LOCAL_DUMP_BASE"]) / "ranks" / "rank-000000" / "trace.jsonl"
     restored = restore(env, tmp_path / "restored") / "ranks" / "rank-000000" / "trace.jsonl"
     assert restored.read_bytes() == local.read_bytes()
