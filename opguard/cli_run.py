@@ -108,14 +108,14 @@ def _run(cmd: list[str], plan_only: bool, as_json: bool, quiet: bool, verbose: b
     if kill_grace < 0:
         raise ConfigError(f"--kill-grace={kill_grace} is negative", "pass seconds >= 0")
     pf = run_preflight(cmd, os.environ, mountinfo=mountinfo)
-    plan = build_plan(pf, cmd)
     if plan_only:
+        plan = build_plan(pf, cmd)
         if as_json:
             click.echo(json.dumps(plan, indent=1, sort_keys=True, default=str))
         click.echo(render(plan), err=True)
         return 0 if pf.ok else 2
     if not pf.ok:
-        click.echo(render(plan) if verbose else _problems_text(plan), err=True)
+        click.echo(render(build_plan(pf, cmd)) if verbose else _problems_text(pf.problems), err=True)
         click.echo("opguard-run: refusing to start the command (exit 2); nothing was written to shared storage",
                    err=True)
         return 2
@@ -124,19 +124,17 @@ def _run(cmd: list[str], plan_only: bool, as_json: bool, quiet: bool, verbose: b
     opts = Options(forward=forward, warning=warn[0] if warn else None, forward_warning=forward_warning,
                    kill_grace=kill_grace, drain_timeout=drain_timeout, report_json=report_json,
                    quiet=quiet, verbose=verbose, countdown=not no_countdown)
-    if verbose:
-        click.echo(render(plan), err=True)
-    return run(cmd, pf, plan, opts)
+    if verbose:  # the derived numbers walk the staged files: only when asked
+        click.echo(render(build_plan(pf, cmd)), err=True)
+    return run(cmd, pf, opts)
 
 
-def _problems_text(plan: dict[str, object]) -> str:
-    problems = plan["problems"]
-    assert isinstance(problems, list)
+def _problems_text(problems: list[ConfigError]) -> str:
     lines = [f"opguard-run: {len(problems)} problem(s) before start:"]
     for p in problems:
-        lines.append(f"  - {p['message']}")
-        if p["fix"]:
-            lines.append(f"      fix: {p['fix']}")
+        lines.append(f"  - {p.message}")
+        if p.fix:
+            lines.append(f"      fix: {p.fix}")
     return "\n".join(lines)
 
 

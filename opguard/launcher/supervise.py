@@ -121,9 +121,8 @@ class Tree:
 
 
 class Supervisor:
-    def __init__(self, cmd: list[str], pf: Preflight, plan: dict[str, Any], opts: Options,
-                 say: Callable[[str], None]) -> None:
-        self.cmd, self.pf, self.plan, self.opts, self.say = cmd, pf, plan, opts, say
+    def __init__(self, cmd: list[str], pf: Preflight, opts: Options, say: Callable[[str], None]) -> None:
+        self.cmd, self.pf, self.opts, self.say = cmd, pf, opts, say
         self.identity = pf.identity
         self.config = pf.config
         self.staging = bool(self.config and self.config.enabled)
@@ -238,6 +237,8 @@ class Supervisor:
         self.tree.protected.add(self.child.pid)
         child_fd = os.pidfd_open(self.child.pid)
         sel.register(child_fd, selectors.EVENT_READ, "child")
+        if self.staging and self.identity.node_duty:
+            self._node_metadata(env)
         now = time.monotonic()
         if self.staging:
             assert self.config is not None
@@ -402,7 +403,6 @@ class Supervisor:
 
     def _node_setup(self, env: dict[str, str]) -> None:
         from opguard.launcher.claim import make_claim, take_node_duty
-        from opguard.launcher.nodeinfo import write_node_metadata
         from opguard.staging.layout import Layout
 
         assert self.config is not None
@@ -412,14 +412,24 @@ class Supervisor:
         make_claim(self.config, self.identity.node_id)
         for r in self.identity.owned_ranks() or []:
             layout.rank_dir(r).mkdir(parents=True, exist_ok=True)  # the rank's stream exists from the start
-        if self.identity.node_duty:
-            c = self.config
-            exclude = [p for p in (c.local_base, c.target, c.output_base) if p is not None]
-            n = write_node_metadata(layout.node_dir(self.identity.node_id), self.identity, self.cmd, env, exclude)
-            if self.opts.verbose:
-                self.say(f"opguard-run: node metadata written ({n} source file(s) indexed)")
         cap = effective_cap(self.config, self.identity.node_count).cap_mib_s
         self.sidecar = Sidecar(self.identity, node_env(env, cap), self.workdir, self.opts.verbose, self.say)
+
+    def _node_metadata(self, env: dict[str, str]) -> None:
+        """Local rank 0, right after the command started (it needs nothing from it)."""
+        from opguard.launcher.nodeinfo import write_node_metadata
+        from opguard.staging.layout import Layout
+
+        c = self.config
+        assert c is not None
+        exclude = [p for p in (c.local_base, c.target, c.output_base) if p is not None]
+        try:
+            n = write_node_metadata(Layout(c).node_dir(self.identity.node_id), self.identity, self.cmd, env, exclude)
+        except OSError as e:
+            self.say(f"opguard-run: could not write the node metadata: {e}")
+            return
+        if self.opts.verbose:
+            self.say(f"opguard-run: node metadata written ({n} source file(s) indexed)")
 
     def _finish(self) -> int:
         assert self.child_code is not None
@@ -454,9 +464,9 @@ def _describe(returncode: int) -> str:
     return f"exit {returncode}"
 
 
-def run(cmd: list[str], pf: Preflight, plan: dict[str, Any], opts: Options) -> int:
+def run(cmd: list[str], pf: Preflight, opts: Options) -> int:
     def say(msg: str) -> None:
         sys.stderr.write(msg + "\n")
         sys.stderr.flush()
 
-    return Supervisor(cmd, pf, plan, opts, say).run()
+    return Supervisor(cmd, pf, opts, say).run()
