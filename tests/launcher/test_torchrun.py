@@ -112,3 +112,20 @@ def test_sigterm_to_torchrun_wrapper(staging_env: dict[str, str], tmp_path: Path
         name = f"rank-{rank:06d}"
         restored = (dest / "ranks" / name / "steps.jsonl").read_bytes()
         assert restored == (local / name / "steps.jsonl").read_bytes() and restored
+
+
+def test_wrapper_inside_torchrun_workers_uses_torchrun_family(staging_env: dict[str, str], tmp_path: Path) -> None:
+    """torchrun --no-python opguard-run ...: each worker's wrapper resolves RANK/LOCAL_RANK/GROUP_RANK."""
+    out = tmp_path / "plans"
+    out.mkdir()
+    env = {**staging_env, "OMP_NUM_THREADS": "1", "PMI_RANK": "0", "PMI_SIZE": "1"}  # a stale outer launch
+    r = subprocess.run([TORCHRUN, "--nnodes=1", "--nproc-per-node=2", f"--master-port={free_port()}",
+                        "--no-python", "sh", "-c", f'exec "$0" --plan --json "$@" > {out}/$RANK.json', OPGUARD_RUN,
+                        "true"], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    for rank in (0, 1):
+        ident = json.loads((out / f"{rank}.json").read_text())["identity"]
+        assert (ident["mode"], ident["rank"], ident["world_size"], ident["local_rank"], ident["node_index"]) == (
+            "rank", rank, 2, rank, 0)
+        assert ident["sources"]["rank"] == "RANK (torchrun)"
+        assert "ignored:MPICH/Hydra/Intel MPI" in ident["sources"]  # other world size: an outer launch
