@@ -90,11 +90,12 @@ def run_times(args: argparse.Namespace) -> dict[str, object]:
 
 
 def peak_rss(args: argparse.Namespace, mode: str | None) -> int:
-    code = (f"import sys; sys.argv=['x','--child-rss',{mode or ''!r},'--layers','{args.layers}','--width',"
-            f"'{args.width}','--seq','{args.seq}','--batch','{args.batch}','--steps','{args.steps}',"
-            f"'--threads','{args.threads}','--level','{args.level}']; "
-            f"exec(open({str(Path(__file__))!r}).read())")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    """Peak RSS (bytes) of a fresh process running the same steps (``mode`` None: no capture)."""
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--child-rss", mode or "off",
+           "--layers", str(args.layers), "--width", str(args.width), "--seq", str(args.seq),
+           "--batch", str(args.batch), "--steps", str(args.steps), "--threads", str(args.threads),
+           "--level", args.level]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True)
     return int(out.stdout.strip().splitlines()[-1])
 
 
@@ -106,7 +107,7 @@ def child_rss(args: argparse.Namespace) -> None:
 
     torch.set_num_threads(args.threads)
     model, opt, idx, tgt = setup(args)
-    if args.child_rss:
+    if args.child_rss != "off":
         with tempfile.TemporaryDirectory() as d, oc.capture(env={"OPGUARD_TRACE_OUTPUT_BASE": d},
                                                             digest=args.child_rss, level=args.level):
             for i in range(args.steps):
@@ -139,6 +140,7 @@ def main() -> None:
         child_rss(args)
         return
     res = run_times(args)
+    print(json.dumps(res, indent=1, default=str), flush=True)
     if not args.no_rss:
         base_rss = peak_rss(args, None)
         res["baseline_peak_rss_mib"] = round(base_rss / 2**20, 1)

@@ -96,6 +96,7 @@ class Digester:
         self._tables: dict[torch.device, torch.Tensor] = {}
         self._blocks: list[int] = [0]
         self._samples: dict[tuple[int, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._scratch: dict[tuple[torch.device, torch.dtype, int], torch.Tensor] = {}
         fn: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
             "full": self._full, "sample": self._sample, "xor": self._xor}
         self.compute: Callable[[torch.Tensor], torch.Tensor] | None = fn.get(mode)
@@ -127,10 +128,27 @@ class Digester:
     def count(t: torch.Tensor) -> int:
         return t.numel() * (2 if t.is_complex() else 1)
 
+    def scratch(self, device: torch.device, dtype: torch.dtype, slot: int, n: int) -> torch.Tensor:
+        """A reusable 1-D work buffer of ``n`` <= TABLE_LEN elements: no allocation (and, on CPU, no
+        fresh zero pages) per tensor; bounded extra memory per device. Safe to reuse because the
+        work on a device is ordered (CPU: synchronous; CUDA: the current stream)."""
+        key = (device, dtype, slot)
+        buf = self._scratch.get(key)
+        if buf is None:
+            buf = torch.empty(TABLE_LEN, dtype=dtype, device=device)
+            self._scratch[key] = buf
+        return buf[:n]
+
     def _mix_sum(self, v: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        x = torch.bitwise_xor(v, w) if v.dtype == torch.int64 else v.to(torch.int64).bitwise_xor_(w)
+        """``S`` over ``v`` (<= TABLE_LEN elements, any layout) with weights ``w`` (1-D, logical order)."""
+        n = v.numel()
+        x = self.scratch(v.device, torch.int64, 0, n)
+        y = self.scratch(v.device, torch.int64, 1, n)
+        x.view(v.shape).copy_(v)  # sign-extends, and puts the elements in logical (row-major) order
+        x.bitwise_xor_(w)
         x.mul_(signed(GOLDEN))
-        x.bitwise_xor_(x >> 32)
+        torch.bitwise_right_shift(x, 32, out=y)
+        x.bitwise_xor_(y)
         return x.sum()
 
     def _full(self, t: torch.Tensor) -> torch.Tensor:
@@ -138,7 +156,7 @@ class Digester:
         n = v.numel()
         table = self.table(v.device)
         if n <= TABLE_LEN:
-            return self._mix_sum(v, table[:n].view(v.shape))
+            return self._mix_sum(v, table[:n])
         flat = v.reshape(-1)
         total = torch.zeros((), dtype=torch.int64, device=v.device)
         for q, start in enumerate(range(0, n, TABLE_LEN)):
@@ -175,11 +193,11 @@ class Digester:
         return torch.hash_tensor(t).view(torch.int64)
 
 
-STAT_FIELDS = ("min", "max", "sum", "sumsq", "nan", "inf")
+STAT_FIELDS = ("min", "max", "sum", "norm", "nonfinite", "inf")
 
 
 def stats_row(t: torch.Tensor) -> torch.Tensor:
-    """Six float64 values on the device: min, max, sum, sum of squares, NaN count, Inf count.
+    """Six values on the device (float64): min, max, sum, 2-norm, non-finite count, Inf count.
 
     Only vectorised float passes (no boolean tensors, which are slow to reduce on CPU): the
     non-finite count is the sum of ``nan_to_num(x - x, nan=1)`` (x - x is NaN exactly for NaN and
@@ -195,18 +213,21 @@ def stats_row(t: torch.Tensor) -> torch.Tensor:
         nonfinite = torch.nan_to_num_(x - x, nan=1.0).sum(dtype=cnt)
         kept = torch.nan_to_num(x, nan=0.0, posinf=math.inf, neginf=-math.inf)
         inf = torch.nan_to_num_(kept - kept, nan=1.0).sum(dtype=cnt)
-        return torch.stack([mn.to(torch.float64), mx.to(torch.float64), s.to(torch.float64),
-                            q.to(torch.float64).square(), (nonfinite - inf).to(torch.float64),
-                            inf.to(torch.float64)])
+        # one stack in a dtype that holds every value exactly, one conversion; the host squares the norm
+        common = torch.float64 if torch.float64 in (acc, cnt) else torch.float32
+        vals = [v if v.dtype == common else v.to(common) for v in (mn, mx, s, q, nonfinite, inf)]
+        return torch.stack(vals).to(torch.float64)
     xd = x.to(torch.float64)
     mn, mx = torch.aminmax(xd)
     zero = torch.zeros((), dtype=torch.float64, device=x.device)
-    return torch.stack([mn, mx, xd.sum(), xd.square().sum(), zero, zero])
+    return torch.stack([mn, mx, xd.sum(), torch.linalg.vector_norm(xd), zero, zero])
 
 
 def finish_stats(row: list[float], n: int) -> dict[str, float | int]:
     """Host side: mean, std (n-1), absmax from the fetched row."""
-    mn, mx, s, q, nan, inf = row
+    mn, mx, s, norm, nonfinite, inf = row
+    q = norm * norm
+    nan = nonfinite - inf
     mean = s / n
     if n > 1:
         var = (q - s * s / n) / (n - 1)

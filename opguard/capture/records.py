@@ -29,6 +29,7 @@ METADATA_METHODS = frozenset({
     "untyped_storage", "storage", "_typed_storage", "is_shared", "is_pinned", "has_names", "type",
     "is_set_to", "__iter__", "__array__", "dim_order", "__dlpack__", "__dlpack_device__",
     "register_hook", "retain_grad", "requires_grad_", "_is_view", "is_inference",
+    "_set_grad_enabled", "is_grad_enabled", "set_grad_enabled", "_get_tracing_state", "is_tensor",
 })
 # Properties recorded when read (they return tensor data); every other property read is metadata.
 TENSOR_PROPERTIES = frozenset({"grad", "data", "T", "mT", "H", "mH", "real", "imag"})
