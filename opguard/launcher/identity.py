@@ -447,7 +447,7 @@ def _resolve_rank(winner: Reading | None, readings: list[Reading], ov: _Override
                 break
         else:
             problems.add(f"{f.rank}={winner.rank} is set but no variable gives the world size",
-                         "launch through a launcher that exports the world size, or set OPGUARD_WORLD_SIZE")
+                         "launch through a launcher that also exports the world size (srun, mpiexec, torchrun)")
     else:
         sources["world_size"] = f"{f.size} ({f.name})"
     local_rank, local_size = winner.local_rank, winner.local_size
