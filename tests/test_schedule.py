@@ -41,6 +41,8 @@ def test_basic_formulas() -> None:
     assert schedule.keeps_up(60, 256 * MIB, 32)
     assert not schedule.keeps_up(60, 256 * MIB, 4)  # 64 s per batch > 60 s interval
     assert schedule.periodic_capacity_bytes_per_s(60, 256 * MIB, 4) == 4 * MIB
+    assert schedule.periodic_capacity_bytes_per_s(60, 60 * MIB, 32) == 1 * MIB  # one stream: one batch
+    assert schedule.periodic_capacity_bytes_per_s(60, 60 * MIB, 32, streams=9) == 9 * MIB
     assert schedule.ideal_peak_in_flight(1000, 8.0, 60.0) == 134  # ⌈133.3⌉
     assert schedule.ideal_peak_in_flight(1000, 0.0, 60.0) == 0
     assert schedule.ideal_peak_in_flight(3, 0.001, 60.0) == 1

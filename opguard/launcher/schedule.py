@@ -46,10 +46,11 @@ def drain_seconds(pending_bytes: float, cap_mib_s: float) -> float:
     return upload_seconds(pending_bytes, cap_mib_s)
 
 
-def periodic_capacity_bytes_per_s(interval: float, batch_bytes: float, cap_mib_s: float) -> float:
-    """The most a node can publish per second through periodic syncs (one batch per interval,
-    each no longer than the cap allows within the interval)."""
-    return min(batch_bytes, cap_mib_s * 2**20 * interval) / interval
+def periodic_capacity_bytes_per_s(interval: float, batch_bytes: float, cap_mib_s: float, streams: int = 1) -> float:
+    """The most a wrapper can publish per second through periodic syncs: one batch per stream per
+    interval (``streams``: the ranks it syncs, plus the node stream if it has that duty), no more
+    than the cap allows within the interval."""
+    return min(streams * batch_bytes, cap_mib_s * 2**20 * interval) / interval
 
 
 def keeps_up(interval: float, batch_bytes: float, cap_mib_s: float) -> bool:
