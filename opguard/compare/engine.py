@@ -9,10 +9,13 @@ number of operations, not their size.
 from __future__ import annotations
 
 import hashlib
+import multiprocessing
+import os
+import secrets
 from array import array
 from collections import Counter
-from collections.abc import Iterator
-from dataclasses import dataclass
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from opguard.compare.diff import MISMATCH, OK, UNALIGNED, diff_pair
@@ -20,7 +23,7 @@ from opguard.compare.opevents import OpEncoder
 from opguard.compare.pairing import NO_ANCHOR, NO_CORRESPONDING_FILE, Pairing, pair_streams
 from opguard.compare.perfetto_export import ROW_NS, ExportWriter
 from opguard.compare.records import Record
-from opguard.compare.sources import Run, Stream, open_run
+from opguard.compare.sources import KIND_CAPTURE, Run, Stream, open_run
 from opguard.compare.summary import FirstMismatch, StreamSummary, Summary
 from opguard.errors import ConfigError
 
@@ -39,6 +42,10 @@ class _Index:
     anchors: array[int]
     collectives: list[int]                 # positions of collective operations
     all_digests: bool                      # every record has a source-line digest
+    files: array[int]                      # where each operation starts (capture streams)
+    offsets: array[int]
+    dumps: dict[int, dict[str, str]]
+    notes: list[str]
 
 
 def _intern(intern: dict[str, int], k: str) -> int:
@@ -48,20 +55,36 @@ def _intern(intern: dict[str, int], k: str) -> int:
     return kid
 
 
-def _index(stream: Stream, intern: dict[str, int]) -> _Index:
+def _index_local(stream: Stream) -> tuple[list[str], _Index]:
+    """Pass 1 over one stream, with a local key table (so it can run in a worker process)."""
+    intern: dict[str, int] = {}
     keys = array("q")
     line_keys = array("q")
     anchors = array("Q")
+    files = array("q")
+    offsets = array("q")
     coll: list[int] = []
     all_digests = True
-    for key, line_key, text, collective, has_digest in stream.index_fields():
+    for key, line_key, text, collective, has_digest, fi, off in stream.index_fields():
         keys.append(_intern(intern, key))
         line_keys.append(_intern(intern, line_key))
         all_digests = all_digests and has_digest
         anchors.append(anchor_hash(text) if text and not collective else NO_ANCHOR)
         if collective:
             coll.append(len(keys) - 1)
-    return _Index(keys, line_keys, anchors, coll, all_digests)
+        files.append(fi)
+        offsets.append(off)
+    table = [""] * (len(intern) + 1)
+    for k, v in intern.items():
+        table[v] = k
+    return table, _Index(keys, line_keys, anchors, coll, all_digests, files, offsets, stream.dumps, stream.notes)
+
+
+def _globalise(table: list[str], idx: _Index, intern: dict[str, int]) -> _Index:
+    remap = [0] + [_intern(intern, k) for k in table[1:]]
+    idx.keys = array("q", [remap[k] for k in idx.keys])
+    idx.line_keys = array("q", [remap[k] for k in idx.line_keys])
+    return idx
 
 
 def _collective_anchors(a: _Index, b: _Index) -> None:
@@ -86,19 +109,150 @@ def _where(rec: Record) -> str:
     return f"{rec.file or '?'}:{rec.line if rec.line is not None else '?'}"
 
 
-Row = tuple[Record | None, Record | None]
+# ---- pass 2: a range of rows of one stream pair (in this process or a worker) -------------------
+
+@dataclass
+class _Job:
+    sa: Stream
+    sb: Stream
+    ia: _Index
+    ib: _Index
+    pairing: Pairing
+    rows_a: array[int]
+    rows_b: array[int]
+    tracks: tuple[int, int]
+    flow_base: int
 
 
-def _walk(pairing: Pairing, recs_a: Iterator[Record], recs_b: Iterator[Record]) -> Iterator[Row]:
-    for i, j in pairing.rows():
+@dataclass
+class _Chunk:
+    status: Counter[str] = field(default_factory=Counter)
+    basis: Counter[str] = field(default_factory=Counter)
+    reasons_a: Counter[str] = field(default_factory=Counter)
+    reasons_b: Counter[str] = field(default_factory=Counter)
+    unresolved: int = 0
+    first_mismatch: FirstMismatch | None = None
+    first_equal_input_mismatch: FirstMismatch | None = None
+    slices: int = 0
+    flows: int = 0
+
+
+def _start(rows: array[int], r0: int, r1: int, idx: _Index) -> tuple[int, tuple[int, int]]:
+    for r in range(r0, r1):
+        i = rows[r]
+        if i >= 0:
+            return i, (idx.files[i], idx.offsets[i]) if len(idx.files) else (0, 0)
+    return -1, (0, 0)
+
+
+def _run_rows(job: _Job, r0: int, r1: int, writer: ExportWriter) -> _Chunk:
+    em = OpEncoder(writer)
+    out = _Chunk()
+    sa, sb, pairing = job.sa, job.sb, job.pairing
+    i0, pos_a = _start(job.rows_a, r0, r1, job.ia)
+    j0, pos_b = _start(job.rows_b, r0, r1, job.ib)
+    recs_a = sa.records(i0, pos_a) if i0 >= 0 else iter(())
+    recs_b = sb.records(j0, pos_b) if j0 >= 0 else iter(())
+    ta, tb = job.tracks
+    for row in range(r0, r1):
+        i, j = job.rows_a[row], job.rows_b[row]
         ra = next(recs_a) if i >= 0 else None
         rb = next(recs_b) if j >= 0 else None
-        yield ra, rb
+        ts = row * ROW_NS
+        if ra is not None and rb is not None:
+            rid_a, rid_b = record_id("A", ra, sa.name), record_id("B", rb, sb.name)
+            basis = pairing.basis_a[i] or ""
+            d = diff_pair(ra, rb)
+            flow = job.flow_base + row + 1
+            em.op(ta, ts, "A", sa.name, ra, rid_a, {"state": "paired", "other": rid_b, "basis": basis},
+                  d.status, d, flow_out=flow)
+            em.op(tb, ts, "B", sb.name, rb, rid_b, {"state": "paired", "other": rid_a, "basis": basis},
+                  d.status, d, flow_in=flow)
+            out.status[d.status] += 1
+            out.basis[basis] += 1
+            if d.status == MISMATCH:
+                fm = FirstMismatch(rid_a, rid_b, ra.function, _where(ra), d.fields, d.numeric, out.unresolved)
+                if out.first_mismatch is None:
+                    out.first_mismatch = fm
+                if d.inputs_equal and out.first_equal_input_mismatch is None:
+                    out.first_equal_input_mismatch = fm
+            continue
+        rec = ra if ra is not None else rb
+        assert rec is not None
+        side = "A" if ra is not None else "B"
+        reason = (pairing.reason_a if side == "A" else pairing.reason_b)[rec.index] or ""
+        stream = sa.name if side == "A" else sb.name
+        em.op(ta if side == "A" else tb, ts, side, stream, rec, record_id(side, rec, stream),
+              {"state": "undetermined", "reason": reason}, UNALIGNED, None)
+        (out.reasons_a if side == "A" else out.reasons_b)[reason] += 1
+        out.status[UNALIGNED] += 1
+        out.unresolved += 1
+    out.slices, out.flows = writer.slices, writer.flows
+    return out
 
 
-def _compare_stream(em: OpEncoder, sa: Stream, sb: Stream, tracks: tuple[int, int], summ: StreamSummary,
-                    intern: dict[str, int]) -> None:
-    ia, ib = _index(sa, intern), _index(sb, intern)
+# Worker processes are forked with the job in this module global (nothing large is pickled).
+_FORK_JOB: _Job | None = None
+_FORK_STREAMS: dict[str, Stream] = {}
+
+
+def _pass1_worker(side: str) -> tuple[list[str], _Index]:
+    return _index_local(_FORK_STREAMS[side])
+
+
+def _rows_worker(r0: int, r1: int, part: str, seq_id: int) -> _Chunk:
+    assert _FORK_JOB is not None
+    writer = ExportWriter(Path(part), None, seq_id=seq_id, part=True)
+    try:
+        chunk = _run_rows(_FORK_JOB, r0, r1, writer)
+        writer.commit()
+    except BaseException:
+        writer.abort()
+        raise
+    return chunk
+
+
+PARALLEL_MIN_OPS = 20_000
+
+
+def workers() -> int:
+    """Processes for the two passes: the CPUs this process may use, at most 2 (one per side)."""
+    try:
+        n = len(os.sched_getaffinity(0))
+    except AttributeError:
+        n = os.cpu_count() or 1
+    return max(1, min(2, n))
+
+
+def _pool(n: int) -> ProcessPoolExecutor:
+    return ProcessPoolExecutor(max_workers=n, mp_context=multiprocessing.get_context("fork"))
+
+
+def _pass1(sa: Stream, sb: Stream, intern: dict[str, int], parallel: bool) -> tuple[_Index, _Index]:
+    global _FORK_STREAMS
+    if not parallel:
+        res = [_index_local(sa), _index_local(sb)]
+    else:
+        _FORK_STREAMS = {"A": sa, "B": sb}
+        try:
+            with _pool(2) as pool:
+                res = list(pool.map(_pass1_worker, ["A", "B"]))
+        finally:
+            _FORK_STREAMS = {}
+    ia, ib = (_globalise(t, i, intern) for t, i in res)
+    for st, idx in ((sa, ia), (sb, ib)):
+        st.dumps, st.notes = idx.dumps, idx.notes
+    return ia, ib
+
+
+def _compare_stream(writer: ExportWriter, sa: Stream, sb: Stream, tracks: tuple[int, int], summ: StreamSummary,
+                    intern: dict[str, int], flow_base: int) -> int:
+    """Pair and export one stream pair; returns the number of rows (flow ids used)."""
+    global _FORK_JOB
+    n_workers = workers()
+    big = n_workers > 1 and sa.kind == sb.kind == KIND_CAPTURE and \
+        sum(p.stat().st_size for p in (*sa.files, *sb.files)) > PARALLEL_MIN_OPS * 500
+    ia, ib = _pass1(sa, sb, intern, big)
     if not (ia.all_digests and ib.all_digests):
         # identities must be comparable: without source-line digests on a side, both use line numbers
         ia.keys, ib.keys = ia.line_keys, ib.line_keys
@@ -109,41 +263,46 @@ def _compare_stream(em: OpEncoder, sa: Stream, sb: Stream, tracks: tuple[int, in
     pairing = pair_streams(ia.keys, ib.keys, ia.anchors, ib.anchors)
     summ.ops_a, summ.ops_b = len(ia.keys), len(ib.keys)
     summ.notes.extend([*(f"run A: {n}" for n in sa.notes), *(f"run B: {n}" for n in sb.notes)])
-    del ia, ib
+    rows = pairing.rows()
+    job = _Job(sa, sb, ia, ib, pairing, array("q", [r[0] for r in rows]), array("q", [r[1] for r in rows]),
+               tracks, flow_base)
+    n = len(rows)
+    del rows
+    if big:
+        bounds = [n * k // n_workers for k in range(n_workers + 1)]
+        parts = [writer.path.parent / f".{writer.path.name}.opguard-part-{secrets.token_hex(4)}-{k}"
+                 for k in range(n_workers)]
+        _FORK_JOB = job
+        try:
+            with _pool(n_workers) as pool:
+                futs = [pool.submit(_rows_worker, bounds[k], bounds[k + 1], str(parts[k]), 2 + k)
+                        for k in range(n_workers)]
+                chunks = [f.result() for f in futs]
+            for part, chunk in zip(parts, chunks, strict=True):
+                writer.append_part(part, chunk.slices, chunk.flows)
+        finally:
+            _FORK_JOB = None
+            for part in parts:
+                part.unlink(missing_ok=True)
+    else:
+        chunks = [_run_rows(job, 0, n, writer)]
     unresolved = 0
-    for row, (ra, rb) in enumerate(_walk(pairing, sa.records(), sb.records())):
-        ts = row * ROW_NS
-        if ra is not None and rb is not None:
-            rid_a, rid_b = record_id("A", ra, sa.name), record_id("B", rb, sb.name)
-            basis = pairing.basis_a[ra.index] or ""
-            d = diff_pair(ra, rb)
-            em.flow += 1
-            em.op(tracks[0], ts, "A", sa.name, ra, rid_a, {"state": "paired", "other": rid_b, "basis": basis},
-                  d.status, d, flow_out=em.flow)
-            em.op(tracks[1], ts, "B", sb.name, rb, rid_b, {"state": "paired", "other": rid_a, "basis": basis},
-                  d.status, d, flow_in=em.flow)
-            summ.status[d.status] += 1
-            summ.basis[basis] += 1
-            if d.status == MISMATCH:
-                fm = FirstMismatch(rid_a, rid_b, ra.function, _where(ra), d.fields, d.numeric, unresolved)
-                if summ.first_mismatch is None:
-                    summ.first_mismatch = fm
-                if d.inputs_equal and summ.first_equal_input_mismatch is None:
-                    summ.first_equal_input_mismatch = fm
-            continue
-        rec = ra if ra is not None else rb
-        assert rec is not None
-        side = "A" if ra is not None else "B"
-        reason = (pairing.reason_a if side == "A" else pairing.reason_b)[rec.index] or ""
-        stream = sa.name if side == "A" else sb.name
-        em.op(tracks[0 if side == "A" else 1], ts, side, stream, rec, record_id(side, rec, stream),
-              {"state": "undetermined", "reason": reason}, UNALIGNED, None)
-        (summ.reasons_a if side == "A" else summ.reasons_b)[reason] += 1
-        summ.status[UNALIGNED] += 1
-        unresolved += 1
+    for c in chunks:
+        summ.status.update(c.status)
+        summ.basis.update(c.basis)
+        summ.reasons_a.update(c.reasons_a)
+        summ.reasons_b.update(c.reasons_b)
+        for attr in ("first_mismatch", "first_equal_input_mismatch"):
+            fm: FirstMismatch | None = getattr(c, attr)
+            if fm is not None and getattr(summ, attr) is None:
+                fm.unresolved_before += unresolved
+                setattr(summ, attr, fm)
+        unresolved += c.unresolved
+    return n
 
 
-def _export_only(em: OpEncoder, side: str, st: Stream, track: int, summ: StreamSummary) -> None:
+def _export_only(writer: ExportWriter, side: str, st: Stream, track: int, summ: StreamSummary) -> None:
+    em = OpEncoder(writer)
     n = 0
     for rec in st.records():
         em.op(track, rec.index * ROW_NS, side, st.name, rec, record_id(side, rec, st.name),
@@ -189,7 +348,7 @@ def compare(a: str, b: str, out: Path) -> Summary:
         writer = ExportWriter(out, attributes)
         summary = Summary(export_path=str(out))
         try:
-            em = OpEncoder(writer)
+            flow_base = 0
             top_a = writer.track(f"run A: {a}", order=0, description=attributes["opguard.input_a.path"])  # type: ignore[arg-type]
             top_b = writer.track(f"run B: {b}", order=1, description=attributes["opguard.input_b.path"])  # type: ignore[arg-type]
             intern: dict[str, int] = {}
@@ -200,13 +359,14 @@ def compare(a: str, b: str, out: Path) -> Summary:
                 tb = writer.track(label, parent=top_b, order=order) if key in run_b.streams else 0
                 summ = summary.stream(rank, name)
                 if key in run_a.streams and key in run_b.streams:
-                    _compare_stream(em, run_a.streams[key], run_b.streams[key], (ta, tb), summ, intern)
+                    flow_base += _compare_stream(writer, run_a.streams[key], run_b.streams[key], (ta, tb), summ,
+                                                 intern, flow_base)
                 elif key in run_a.streams:
                     summary.only_a.append(key)
-                    _export_only(em, "A", run_a.streams[key], ta, summ)
+                    _export_only(writer, "A", run_a.streams[key], ta, summ)
                 else:
                     summary.only_b.append(key)
-                    _export_only(em, "B", run_b.streams[key], tb, summ)
+                    _export_only(writer, "B", run_b.streams[key], tb, summ)
             summary.export_bytes = writer.commit()
         except BaseException:
             writer.abort()

@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import os
 import secrets
+import shutil
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -32,26 +33,33 @@ SEQ_ID = 1
 class ExportWriter:
     """Streams packets to ``path`` (via a temporary file); :meth:`commit` publishes it."""
 
-    def __init__(self, path: Path, attributes: dict[str, str | int]) -> None:
+    def __init__(self, path: Path, attributes: dict[str, str | int] | None, *, seq_id: int = SEQ_ID,
+                 part: bool = False) -> None:
+        """``part=True``: a fragment written straight to ``path`` (its own packet sequence
+        ``seq_id``, no attributes), later appended to the export with :meth:`append_part`."""
         self.path = path
+        self.seq_id = seq_id
         parent = path.parent if str(path.parent) else Path(".")
         if not parent.is_dir():
             raise ConfigError(f"the directory of the export {path}, {parent}, does not exist",
                               f"create it first: mkdir -p {parent}")
         if path.is_dir():
             raise ConfigError(f"the export path {path} is a directory", "pass a file name, e.g. compare.pftrace")
-        self.tmp = parent / f".{path.name}.opguard-tmp-{secrets.token_hex(4)}"
+        self.part = part
+        self.tmp = path if part else parent / f".{path.name}.opguard-tmp-{secrets.token_hex(4)}"
         self._f = open(self.tmp, "wb", buffering=1 << 20)  # noqa: SIM115 (closed in commit/abort)
         self.ann = Annotations()
         self._uuid = 0
         self.slices = 0
         self.flows = 0
-        self._write(vfield(F.P_SEQ_ID, SEQ_ID) + vfield(F.P_SEQ_FLAGS, F.SEQ_INCREMENTAL_STATE_CLEARED))
+        self._write(vfield(F.P_SEQ_ID, seq_id) + vfield(F.P_SEQ_FLAGS, F.SEQ_INCREMENTAL_STATE_CLEARED))
+        if attributes is None:
+            return
         attrs = []
         for k, v in attributes.items():
             val = vfield(F.A_LONG, v) if isinstance(v, int) else ld(F.A_STRING, str(v).encode())
             attrs.append(ld(F.A_ATTRIBUTE, ld(F.A_KEY, k.encode()) + val))
-        self._write(ld(F.P_TRACE_ATTRIBUTES, b"".join(attrs)) + vfield(F.P_SEQ_ID, SEQ_ID))
+        self._write(ld(F.P_TRACE_ATTRIBUTES, b"".join(attrs)) + vfield(F.P_SEQ_ID, seq_id))
 
     def _write(self, packet: bytes) -> None:
         self._f.write(F.TRACE_PACKET + uv(len(packet)) + packet)
@@ -68,7 +76,7 @@ class ExportWriter:
             body += vfield(F.T_ORDER, order)
         if description:
             body += ld(F.T_DESCRIPTION, description.encode())
-        self._write(ld(F.P_TRACK_DESCRIPTOR, body) + vfield(F.P_SEQ_ID, SEQ_ID))
+        self._write(ld(F.P_TRACK_DESCRIPTOR, body) + vfield(F.P_SEQ_ID, self.seq_id))
         return self._uuid
 
     def slice(self, track: int, ts: int, name: str, annotations: list[bytes], *,
@@ -80,18 +88,31 @@ class ExportWriter:
             self.flows += 1
         for f in flows_in:
             ev.append(F.E_TERMINATING_FLOW + struct.pack("<Q", f))
-        pkt = vfield(F.P_TIMESTAMP, ts) + ld(F.P_TRACK_EVENT, b"".join(ev)) + vfield(F.P_SEQ_ID, SEQ_ID)
+        seq = vfield(F.P_SEQ_ID, self.seq_id)
+        pkt = vfield(F.P_TIMESTAMP, ts) + ld(F.P_TRACK_EVENT, b"".join(ev)) + seq
         new = self.ann.take_new_names()
         if new:
             pkt += ld(F.P_INTERNED, new)
         self._write(pkt + vfield(F.P_SEQ_FLAGS, F.SEQ_NEEDS_INCREMENTAL_STATE))
         end = vfield(F.E_TYPE, F.SLICE_END) + vfield(F.E_TRACK, track)
-        self._write(vfield(F.P_TIMESTAMP, ts + SLICE_NS) + ld(F.P_TRACK_EVENT, end) + vfield(F.P_SEQ_ID, SEQ_ID))
+        self._write(vfield(F.P_TIMESTAMP, ts + SLICE_NS) + ld(F.P_TRACK_EVENT, end) + seq)
         self.slices += 1
 
-    def commit(self) -> int:
-        """Publish the file; returns its size in bytes."""
+    def append_part(self, part: Path, slices: int, flows: int) -> None:
+        """Append a fragment written by a part writer (then removed)."""
         self._f.flush()
+        with open(part, "rb") as f:
+            shutil.copyfileobj(f, self._f, 1 << 22)
+        part.unlink()
+        self.slices += slices
+        self.flows += flows
+
+    def commit(self) -> int:
+        """Publish the file (a part: just close it); returns its size in bytes."""
+        self._f.flush()
+        if self.part:
+            self._f.close()
+            return self.path.stat().st_size
         os.fsync(self._f.fileno())
         self._f.close()
         os.replace(self.tmp, self.path)
@@ -148,11 +169,14 @@ def read_export(path: Path) -> Export:
     except Exception as e:  # protobuf's DecodeError
         raise ConfigError(f"{path} is not a Perfetto protobuf trace ({e})",
                           "pass a file written by `opguard compare -o`") from None
-    names: dict[int, str] = {}
+    names_by_seq: dict[int, dict[int, str]] = {}     # interned names are per packet sequence
     attributes: dict[str, Any] = {}
     tracks: dict[int, dict[str, Any]] = {}
     ops: list[ExportedOp] = []
     for p in trace.packet:
+        names = names_by_seq.setdefault(p.trusted_packet_sequence_id, {})
+        if p.sequence_flags & F.SEQ_INCREMENTAL_STATE_CLEARED:
+            names.clear()
         if p.HasField("interned_data"):
             for n in p.interned_data.debug_annotation_names:
                 names[n.iid] = n.name

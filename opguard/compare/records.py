@@ -307,10 +307,17 @@ def from_reference(obj: Mapping[str, Any], sources: SourceIndex | None, where: s
                           "pass an exec_trace directory written by the reference implementation") from None
 
 
-def iter_jsonl(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
-    """(line number, object) for every complete record of a JSON-lines file; a bad line is an error."""
+def iter_jsonl(path: Path, start: int = 0) -> Iterator[tuple[str, int, dict[str, Any]]]:
+    """(where, byte offset, object) for every complete record of a JSON-lines file from ``start``;
+    ``where`` is ``path:line`` (``path@offset`` when reading from the middle). A bad line is an error."""
     with open(path, "rb") as f:
-        for n, line in enumerate(f, 1):
+        f.seek(start)
+        offset = start
+        n = 0
+        for line in f:
+            n += 1
+            here = offset
+            offset += len(line)
             if not line.endswith(b"\n"):
                 break                       # an incomplete trailing record (still being written)
             if not line.strip():
@@ -318,11 +325,12 @@ def iter_jsonl(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
             try:
                 obj = json.loads(line)
             except ValueError as e:
-                raise ConfigError(f"{path}:{n}: not a JSON record ({e})",
+                where = f"{path}:{n}" if start == 0 else f"{path}@{here}"
+                raise ConfigError(f"{where}: not a JSON record ({e})",
                                   "repair or remove the damaged line; compare reads only complete records") from None
-            if not isinstance(obj, dict):
-                raise ConfigError(f"{path}:{n}: a record must be a JSON object", "repair or remove the line")
-            yield n, obj
+            if obj.__class__ is not dict:
+                raise ConfigError(f"{path}@{here}: a record must be a JSON object", "repair or remove the line")
+            yield (f"{path}:{n}" if start == 0 else f"{path}@{here}"), here, obj
 
 
 def finite(x: float | None) -> bool:

@@ -72,27 +72,34 @@ class Stream:
     def key(self) -> tuple[int, str]:
         return (self.rank, self.name)
 
-    def _capture_ops(self) -> Iterator[tuple[Path, int, dict[str, Any]]]:
-        """The ``op`` records of a capture stream; dump, cap and end records and seq gaps are noted."""
+    def _capture_ops(self, start: tuple[int, int] = (0, 0)) -> Iterator[tuple[str, int, int, dict[str, Any]]]:
+        """(where, file index, byte offset, record) of the ``op`` records of a capture stream, from
+        ``start`` = (file index, byte offset). Read from the beginning, dump, cap and end records
+        and gaps in ``seq`` are collected (``dumps``, ``notes``)."""
+        from_start = start == (0, 0)
         expect_seq: int | None = None
-        self.notes.clear()
+        if from_start:
+            self.notes.clear()
         ended = False
-        for path in self.files:
-            for n, obj in iter_jsonl(path):
+        for fi in range(start[0], len(self.files)):
+            path = self.files[fi]
+            for where, offset, obj in iter_jsonl(path, start[1] if fi == start[0] else 0):
                 kind = obj.get("kind")
                 if obj.get("v") != CAPTURE_VERSION:
-                    raise IdentityError(f"{path}:{n}: capture record version {obj.get('v')!r}; this opguard reads "
+                    raise IdentityError(f"{where}: capture record version {obj.get('v')!r}; this opguard reads "
                                         f"version {CAPTURE_VERSION}", "upgrade opguard to compare this run")
                 if kind == "op":
                     if obj.get("rank") != self.rank:
-                        raise ConfigError(f"{path}:{n}: record of rank {obj.get('rank')!r} in the directory of "
+                        raise ConfigError(f"{where}: record of rank {obj.get('rank')!r} in the directory of "
                                           f"rank {self.rank}", "a rank directory must hold only its own records")
                     seq = obj.get("seq")
-                    if seq.__class__ is int:
+                    if from_start and seq.__class__ is int:
                         if expect_seq is not None and seq > expect_seq:
                             self.notes.append(f"records seq {expect_seq}..{seq - 1} are missing (a crash lost them)")
                         expect_seq = seq + 1
-                    yield path, n, obj
+                    yield where, fi, offset, obj
+                elif not from_start:
+                    continue
                 elif kind == "dump":
                     self.dumps.setdefault(int(obj["seq"]), {})[str(obj["slot"])] = str(self.rank_dir / obj["path"])
                 elif kind == "cap":
@@ -100,30 +107,36 @@ class Stream:
                                       f"(seq {obj.get('seq')}): later operations were not recorded")
                 elif kind == "end":
                     ended = True
-        if not ended:
+        if from_start and not ended:
             self.notes.append("no end record: the capture did not end cleanly (the trace may be incomplete)")
 
-    def index_fields(self) -> Iterator[tuple[str, str, str | None, bool, bool]]:
-        """Per operation: (key, line key, anchor text, collective, has a source-line digest)."""
+    def index_fields(self) -> Iterator[tuple[str, str, str | None, bool, bool, int, int]]:
+        """Per operation: (key, line key, anchor text, collective, has a source-line digest, file index,
+        byte offset); reading it also collects the stream's dumps and notes."""
         if self.kind == KIND_REFERENCE:
             for rec in self._reference_records():
-                yield rec.key(), rec.line_key(), rec.anchor_text(), rec.collective, rec.line_digest is not None
+                yield (rec.key(), rec.line_key(), rec.anchor_text(), rec.collective, rec.line_digest is not None,
+                       0, 0)
             return
-        for path, n, obj in self._capture_ops():
+        for where, fi, offset, obj in self._capture_ops():
             try:
                 site, text = capture_index_fields(obj, self.sites)
             except (KeyError, TypeError, ValueError, AttributeError) as e:
-                raise ConfigError(f"{path}:{n}: not an opguard capture op record ({type(e).__name__}: {e})",
+                raise ConfigError(f"{where}: not an opguard capture op record ({type(e).__name__}: {e})",
                                   "pass a trace directory written by opguard capture (docs/capture.md)") from None
-            yield site.key, site.line_key, text, site.collective, site.line_digest is not None
+            yield site.key, site.line_key, text, site.collective, site.line_digest is not None, fi, offset
 
-    def records(self) -> Iterator[Record]:
+    def records(self, first: int = 0, start: tuple[int, int] = (0, 0)) -> Iterator[Record]:
+        """Operations in execution order; ``first``/``start``: resume at operation ``first``, which
+        begins at ``start`` = (file index, byte offset) (capture streams; from index_fields)."""
         if self.kind == KIND_REFERENCE:
-            yield from self._reference_records()
+            for rec in self._reference_records():
+                if rec.index >= first:
+                    yield rec
             return
         dumps = self.dumps
-        for index, (path, n, obj) in enumerate(self._capture_ops()):
-            rec = from_capture(obj, index, self.sites, f"{path}:{n}")
+        for index, (where, _fi, _off, obj) in enumerate(self._capture_ops(start), first):
+            rec = from_capture(obj, index, self.sites, where)
             if dumps and rec.seq in dumps:
                 slots = dumps[rec.seq]
                 for slot in (*rec.inputs, *rec.outputs):
@@ -133,10 +146,10 @@ class Stream:
     def _reference_records(self) -> Iterator[Record]:
         recs: list[Record] = []
         for path in self.files:
-            for n, obj in iter_jsonl(path):
-                rec = from_reference(obj, self.sources, f"{path}:{n}")
+            for where, _off, obj in iter_jsonl(path):
+                rec = from_reference(obj, self.sources, where)
                 if rec.rank != self.rank:
-                    raise ConfigError(f"{path}:{n}: record of gpu_rank {rec.rank} under gpu_{self.rank:03d}",
+                    raise ConfigError(f"{where}: record of gpu_rank {rec.rank} under gpu_{self.rank:03d}",
                                       "a gpu_<rank> directory must hold only its own rank's records")
                 recs.append(rec)
         recs.sort(key=lambda r: (r.seq if r.seq is not None else -1))
