@@ -20,7 +20,6 @@ from opguard.launcher.identity import Identity, resolve
 from opguard.launcher.mounts import MOUNTINFO, filesystem_of, is_network_fstype
 from opguard.staging.config import StagingConfig
 from opguard.staging.layout import Layout, node_stream, rank_stream
-from opguard.staging.target import check_target as uploader_check
 
 _VAR_RE = re.compile(r"^(OPGUARD_[A-Z_]+)")
 # Required variables: a problem with one of these cannot be worked around to look further.
@@ -118,6 +117,8 @@ def owned_streams(identity: Identity) -> list[str]:
 def check_target(config: StagingConfig, layout: Layout, streams: Sequence[str], local_ok: bool = True,
                  ) -> list[ConfigError]:
     """Run-identity problems of the target and the local state (read-only), via the uploader's own check."""
+    from opguard.staging.target import check_target as uploader_check  # staging runs only (import cost)
+
     if not local_ok:
         streams = []  # the local base is unusable: only the target's identity can be checked
     try:

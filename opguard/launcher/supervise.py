@@ -246,7 +246,7 @@ class Supervisor:
             if opts.countdown and countdown.job_id(os.environ):
                 self.next_countdown = now
         sync_fd: int | None = None
-        next_tree = now
+        next_tree = now + TREE_REFRESH_S  # at t=0 the tree is the command itself
         drain_deadline: float | None = None
         try:
             while True:
