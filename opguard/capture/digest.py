@@ -72,18 +72,24 @@ def _splitmix_table(seed: int, count: int) -> torch.Tensor:
     return z ^ _lshr(z, 31)
 
 
-def reference_sum(bits: list[int]) -> int:
-    """Pure-Python ``S`` of mix64-v1 over sign-extended element bits (tests, docs)."""
-    table = splitmix64(TABLE_SEED, min(len(bits), TABLE_LEN))
-    nblocks = (len(bits) - 1) // TABLE_LEN if bits else 0
+def reference_sum(words: list[int]) -> int:
+    """Pure-Python ``S`` of mix64-v1 over signed 64-bit words (tests, docs)."""
+    table = splitmix64(TABLE_SEED, min(len(words), TABLE_LEN))
+    nblocks = (len(words) - 1) // TABLE_LEN if words else 0
     blocks = [0, *splitmix64(BLOCK_SEED, nblocks)]
     s = 0
-    for i, u in enumerate(bits):
+    for i, u in enumerate(words):
         w = table[i % TABLE_LEN] ^ blocks[i // TABLE_LEN]
         x = ((u & MASK64) ^ w) * GOLDEN & MASK64
         xs = signed(x) >> 32  # arithmetic shift
         s = (s + (x ^ (xs & MASK64))) & MASK64
     return s
+
+
+def reference_words(data: bytes) -> list[int]:
+    """Little-endian signed 64-bit words of ``data``, the last one zero-padded."""
+    data = data + b"\0" * (-len(data) % 8)
+    return [int.from_bytes(data[i:i + 8], "little", signed=True) for i in range(0, len(data), 8)]
 
 
 # ---- device-side work -----------------------------------------------------------------------------
@@ -151,27 +157,60 @@ class Digester:
         x.bitwise_xor_(y)
         return x.sum()
 
+    @staticmethod
+    def words(t: torch.Tensor) -> torch.Tensor:
+        """The tensor's logical element sequence as little-endian 64-bit words (1-D int64): a view
+        for contiguous data whose size is a multiple of 8 bytes; otherwise one copy (non-contiguous
+        data) and/or a zero-padded last word."""
+        if t.is_complex():
+            t = torch.view_as_real(t)
+        if t.dtype == torch.bool:
+            t = t.view(torch.uint8)
+        size = t.element_size()
+        ratio = 8 // size
+        flat = t.reshape(-1)  # a view when the data is contiguous, else a copy in logical order
+        if flat.storage_offset() % ratio:
+            flat = flat.clone()
+        n = flat.numel()
+        full = n - n % ratio
+        head = flat[:full].view(torch.int64)
+        if full == n:
+            return head
+        tail = flat[full:].view(torch.uint8)
+        pad = torch.zeros(8 - tail.numel(), dtype=torch.uint8, device=t.device)
+        return torch.cat([head, torch.cat([tail, pad]).view(torch.int64)])
+
+    def _mix_words(self, words: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """``S`` over 64-bit words (1-D, <= TABLE_LEN) with weights ``w``; two reusable buffers."""
+        m = words.numel()
+        x = self.scratch(words.device, torch.int64, 0, m)
+        y = self.scratch(words.device, torch.int64, 1, m)
+        torch.bitwise_xor(words, w, out=x)
+        x.mul_(signed(GOLDEN))
+        torch.bitwise_right_shift(x, 32, out=y)
+        x.bitwise_xor_(y)
+        return x.sum()
+
     def _full(self, t: torch.Tensor) -> torch.Tensor:
-        v = self.elements(t)
-        n = v.numel()
-        table = self.table(v.device)
-        if n <= TABLE_LEN:
-            return self._mix_sum(v, table[:n])
-        flat = v.reshape(-1)
-        total = torch.zeros((), dtype=torch.int64, device=v.device)
-        for q, start in enumerate(range(0, n, TABLE_LEN)):
-            chunk = flat[start:start + TABLE_LEN]
+        words = self.words(t)
+        m = words.numel()
+        table = self.table(words.device)
+        if m <= TABLE_LEN:
+            return self._mix_words(words, table[:m])
+        total = torch.zeros((), dtype=torch.int64, device=words.device)
+        for q, start in enumerate(range(0, m, TABLE_LEN)):
+            chunk = words[start:start + TABLE_LEN]
             w = table[: chunk.numel()]
             if q:
                 w = w ^ self.block(q)
-            total = total + self._mix_sum(chunk, w)
+            total = total + self._mix_words(chunk, w)
         return total
 
     def _sample(self, t: torch.Tensor) -> torch.Tensor:
         v = self.elements(t)
         n = v.numel()
         if n <= SAMPLE:
-            return self._full(t)
+            return self._mix_sum(v, self.table(v.device)[:n])
         key = (n, v.device)
         cached = self._samples.get(key)
         if cached is None:
@@ -210,9 +249,15 @@ def stats_row(t: torch.Tensor) -> torch.Tensor:
         s = x.sum(dtype=acc)
         q = torch.linalg.vector_norm(x, dtype=acc)
         cnt = torch.float32 if x.numel() < EXACT_F32 else torch.float64  # sums of ones stay exact
-        nonfinite = torch.nan_to_num_(x - x, nan=1.0).sum(dtype=cnt)
-        kept = torch.nan_to_num(x, nan=0.0, posinf=math.inf, neginf=-math.inf)
-        inf = torch.nan_to_num_(kept - kept, nan=1.0).sum(dtype=cnt)
+        if x.device.type == "cpu" and math.isfinite(s.item()):
+            # host memory: reading the sum costs no synchronisation. A finite sum proves there is
+            # no NaN and no ±Inf element (either would make it NaN/Inf), so the counting passes
+            # are skipped; on accelerators they always run on the device (no host sync).
+            nonfinite = inf = torch.zeros((), dtype=cnt)
+        else:
+            nonfinite = torch.nan_to_num_(x - x, nan=1.0).sum(dtype=cnt)
+            kept = torch.nan_to_num(x, nan=0.0, posinf=math.inf, neginf=-math.inf)
+            inf = torch.nan_to_num_(kept - kept, nan=1.0).sum(dtype=cnt)
         # one stack in a dtype that holds every value exactly, one conversion; the host squares the norm
         common = torch.float64 if torch.float64 in (acc, cnt) else torch.float32
         vals = [v if v.dtype == common else v.to(common) for v in (mn, mx, s, q, nonfinite, inf)]

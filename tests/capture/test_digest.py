@@ -15,6 +15,7 @@ from opguard.capture.digest import (  # noqa: E402
     finish,
     finish_stats,
     reference_sum,
+    reference_words,
     stats_row,
 )
 
@@ -28,8 +29,10 @@ def digest(t: torch.Tensor, mode: str = "full") -> str:
 
 
 def ref_digest(t: torch.Tensor) -> str:
-    v = Digester.elements(t).reshape(-1).tolist()
-    return finish(reference_sum([int(x) for x in v]), len(v))
+    """docs/capture.md §5 written out: logical bytes, little-endian 64-bit words, mix, element count."""
+    v = torch.view_as_real(t) if t.is_complex() else t
+    raw = bytes(v.contiguous().reshape(-1).view(torch.uint8).tolist())
+    return finish(reference_sum(reference_words(raw)), v.numel())
 
 
 @pytest.mark.parametrize("make", [
@@ -42,6 +45,8 @@ def ref_digest(t: torch.Tensor) -> str:
     lambda: torch.randn(9, dtype=torch.float64),
     lambda: torch.randn(3, dtype=torch.complex64),
     lambda: torch.randint(0, 255, (11,), dtype=torch.uint8),
+    lambda: torch.randn(7)[1:],                          # contiguous, odd storage offset
+    lambda: torch.randn(5).to(torch.float16),            # padded last word
     lambda: torch.zeros(0),
 ])
 def test_mix64_matches_the_documented_definition(make) -> None:  # type: ignore[no-untyped-def]
@@ -51,10 +56,10 @@ def test_mix64_matches_the_documented_definition(make) -> None:  # type: ignore[
 
 def test_mix64_multi_block_matches_definition() -> None:
     g = torch.Generator().manual_seed(3)
-    t = torch.randn(TABLE_LEN + 5, generator=g)
+    t = torch.randn(2 * TABLE_LEN + 5, generator=g)           # more 64-bit words than the table
     assert digest(t) == ref_digest(t)
     t2 = t.clone()
-    t2[TABLE_LEN + 2] = -t2[TABLE_LEN + 2]
+    t2[2 * TABLE_LEN + 2] = -t2[2 * TABLE_LEN + 2]
     assert digest(t2) != digest(t)
 
 
@@ -80,6 +85,9 @@ def test_layout_independent_equal_iff_bitwise_equal() -> None:
     c = a.clone()
     c[0, 0], c[1, 1] = -c[0, 0], -c[1, 1]
     assert digest(c) != digest(a)
+    c = a.clone()
+    c[0, 0], c[0, 1] = -c[0, 0], -c[0, 1]                     # both halves of one 64-bit word
+    assert digest(c) != digest(a)
     s = a.clone()
     s[0, 0], s[0, 1] = a[0, 1].clone(), a[0, 0].clone()
     assert digest(s) != digest(a)
@@ -98,8 +106,9 @@ def test_cheaper_modes_give_up_what_the_doc_says() -> None:
     assert digest(b, "sample") == digest(a, "sample") and digest(b) != digest(a)
     b[0] += 1.0                                             # element 0 is always sampled
     assert digest(b, "sample") != digest(a, "sample")
-    small = torch.randn(100, generator=g)
-    assert digest(small, "sample") == digest(small, "full")
+    small = torch.randn(100, generator=g)                    # <= 4096 elements: every element is read
+    bits = [int(x) for x in Digester.elements(small).tolist()]
+    assert digest(small, "sample") == finish(reference_sum(bits), 100)
 
 
 def test_no_global_rng_use() -> None:
