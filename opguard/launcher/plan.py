@@ -42,10 +42,19 @@ def effective_cap(config: StagingConfig, node_count: int | None) -> Caps:
 
 
 def stagger(identity: Identity, interval: float) -> float:
-    if identity.node_index is not None and identity.node_count:
-        return schedule.stagger_offset(identity.node_index, identity.node_count, interval)
-    # node index unknown: a deterministic jitter within the first slot from the node ID
-    return schedule.JITTER_FRACTION * interval * schedule.jitter_unit(0, identity.node_id)
+    """Seconds after start of this wrapper's first sync: its node's offset (``schedule.stagger_offset``),
+    plus, with one wrapper per rank, local rank k of L at k/L of the node's slot (the node's wrappers
+    share one upload lock: spread over the slot they do not queue on it)."""
+    nodes = identity.node_count if identity.node_index is not None and identity.node_count else None
+    if nodes is not None:
+        assert identity.node_index is not None
+        offset = schedule.stagger_offset(identity.node_index, nodes, interval)
+    else:  # node index unknown: a deterministic jitter within the first slot from the node ID
+        offset = schedule.JITTER_FRACTION * interval * schedule.jitter_unit(0, identity.node_id)
+    local = identity.local_world_size
+    if identity.mode == "rank" and local and local > 1 and 0 < identity.local_rank < local:
+        offset += identity.local_rank * (interval / (nodes or 1)) / local
+    return offset
 
 
 def build_plan(pf: Preflight, cmd: list[str]) -> dict[str, Any]:

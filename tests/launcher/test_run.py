@@ -196,3 +196,17 @@ def test_drain_timeout_stops_the_drain_not_the_exit_code(staging_env: dict[str, 
     assert "exceeded --drain-timeout=2 s" in r.stderr and "opguard sync --all --final" in r.stderr
     doc = json.loads((Path(env["OPGUARD_LOCAL_DUMP_BASE"]) / "state" / "launcher" / "rank-000000.json").read_text())
     assert doc["drain"]["status"] == "timed out" and doc["exit_code"] == 9
+
+
+def test_stagger_spreads_local_ranks_over_the_node_slot() -> None:
+    from opguard.launcher.plan import stagger
+    from opguard.launcher.schedule import stagger_offset
+
+    env = {"OMPI_COMM_WORLD_RANK": "7", "OMPI_COMM_WORLD_SIZE": "8", "OMPI_COMM_WORLD_LOCAL_RANK": "3",
+           "OMPI_COMM_WORLD_LOCAL_SIZE": "4", "OPGUARD_NODE_ID": "n1"}
+    ident, problems = resolve(env, ("python", "a.py"), "h")
+    assert problems == [] and (ident.node_index, ident.node_count) == (1, 2)
+    # node 1 of 2 starts at half of the 60 s interval; local rank 3 of 4 at 3/4 of the node's 30 s slot
+    assert stagger(ident, 60) == pytest.approx(stagger_offset(1, 2, 60) + 22.5)
+    lead, _ = resolve({**env, "OMPI_COMM_WORLD_RANK": "4", "OMPI_COMM_WORLD_LOCAL_RANK": "0"}, ("python", "a.py"), "h")
+    assert stagger(lead, 60) == pytest.approx(stagger_offset(1, 2, 60))
