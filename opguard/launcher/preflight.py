@@ -115,14 +115,14 @@ def owned_streams(identity: Identity) -> list[str]:
 
 
 def check_target(config: StagingConfig, layout: Layout, streams: Sequence[str], local_ok: bool = True,
-                 ) -> list[ConfigError]:
+                 node_id: str | None = None) -> list[ConfigError]:
     """Run-identity problems of the target and the local state (read-only), via the uploader's own check."""
     from opguard.staging.target import check_target as uploader_check  # staging runs only (import cost)
 
     if not local_ok:
         streams = []  # the local base is unusable: only the target's identity can be checked
     try:
-        uploader_check(config, layout, list(streams))
+        uploader_check(config, layout, list(streams), node_id)
     except OpguardError as e:
         return [ConfigError(e.message, e.fix)]
     return []
@@ -161,7 +161,8 @@ def _staging_checks(pf: Preflight, config: StagingConfig, mountinfo: Path) -> No
     layout = Layout(config)
     local, pf.local_fstype, pf.free_bytes = check_local_base(config, mountinfo)
     pf.problems.extend(local)
-    pf.problems.extend(check_target(config, layout, owned_streams(identity), local_ok=not local))
+    pf.problems.extend(check_target(config, layout, owned_streams(identity), local_ok=not local,
+                                    node_id=identity.node_id))
     claim = claim_problem(config, identity.node_id)
     if claim is not None:
         pf.problems.append(claim)

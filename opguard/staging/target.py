@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import socket
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -135,7 +136,7 @@ def _read_run_file(layout: Layout) -> dict[str, Any] | None:
     return d
 
 
-def _check_run_file(d: dict[str, Any], layout: Layout, s: Staging) -> None:
+def _check_run_file(d: dict[str, Any], layout: Layout, s: Staging, node_id: str | None) -> None:
     if int(d.get("version", 0)) > FORMAT_VERSION:
         raise IdentityError(f"{layout.run_file} has version {d.get('version')}, newer than {FORMAT_VERSION}",
                             "use the opguard version that wrote it")
@@ -145,15 +146,24 @@ def _check_run_file(d: dict[str, Any], layout: Layout, s: Staging) -> None:
             f"{d.get('target')!r}, not run {s.run_id!r} with target {s.target}",
             "let that run finish its final sync and remove its staging directory, or set OPGUARD_LOCAL_DUMP_BASE "
             "to a fresh node-local directory for this run")
+    recorded = d.get("node_id")
+    if node_id is not None and recorded is not None and recorded != node_id:
+        raise IdentityError(
+            f"the staging directory {s.local_base} was set up by node {recorded!r} (host "
+            f"{d.get('hostname')!r}), but this is node {node_id!r} (host {socket.gethostname()!r}): "
+            "OPGUARD_LOCAL_DUMP_BASE is shared between nodes, so one node would publish another's files "
+            "under its own identity",
+            "point OPGUARD_LOCAL_DUMP_BASE at node-local disk (e.g. /local-ssd/opguard), not at a directory "
+            "several nodes see")
 
 
-def check_local_run(config: StagingConfig, layout: Layout) -> bool:
-    """Refuse a staging base that belongs to another run; True if ``run.json`` already exists."""
+def check_local_run(config: StagingConfig, layout: Layout, node_id: str | None = None) -> bool:
+    """Refuse a staging base that belongs to another run or another node; True if ``run.json`` exists."""
     s = staging_of(config)
     d = _read_run_file(layout)
     if d is None:
         return False
-    _check_run_file(d, layout, s)
+    _check_run_file(d, layout, s, node_id)
     return True
 
 
@@ -208,7 +218,8 @@ def check_stream(config: StagingConfig, layout: Layout, stream: str) -> tuple[Ch
 
 # ---- whole-target checks ------------------------------------------------------------------------
 
-def check_target(config: StagingConfig, layout: Layout, streams: Sequence[str]) -> None:
+def check_target(config: StagingConfig, layout: Layout, streams: Sequence[str],
+                 node_id: str | None = None) -> None:
     """Every identity check, reading only: target format and run, legacy data, the local run
     file and each stream's checkpoint against the target. Raises IdentityError / ConfigError."""
     s = staging_of(config)
@@ -219,7 +230,7 @@ def check_target(config: StagingConfig, layout: Layout, streams: Sequence[str]) 
     if fmt is not None:
         _check_format(s.bundles / "format.json", fmt, s.run_id)
     _refuse_legacy(s.target)
-    check_local_run(config, layout)
+    check_local_run(config, layout, node_id)
     for stream in streams:
         check_stream(config, layout, stream)
 
@@ -235,7 +246,7 @@ def ensure_target(config: StagingConfig, layout: Layout, node_id: str) -> None:
     if not s.target.is_dir():
         raise ConfigError(f"OPGUARD_LOCAL_DUMP_TARGET={s.target} does not exist or is not a directory",
                           f"create it (mkdir -p {s.target}) or fix OPGUARD_LOCAL_DUMP_TARGET")
-    has_run = check_local_run(config, layout)
+    has_run = check_local_run(config, layout, node_id)
     fmt = read_format(s.bundles)
     if fmt is not None:
         _check_format(s.bundles / "format.json", fmt, s.run_id)
@@ -255,6 +266,6 @@ def ensure_target(config: StagingConfig, layout: Layout, node_id: str) -> None:
     if not has_run:
         layout.locks_dir.mkdir(parents=True, exist_ok=True)
         doc = {"version": FORMAT_VERSION, "run_id": s.run_id, "target": os.fspath(s.target),
-               "created_at": time.time()}
+               "node_id": node_id, "hostname": socket.gethostname(), "created_at": time.time()}
         if not create_exclusive(layout.run_file, json.dumps(doc, sort_keys=True).encode() + b"\n"):
-            check_local_run(config, layout)
+            check_local_run(config, layout, node_id)
