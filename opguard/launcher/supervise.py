@@ -21,6 +21,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -140,6 +141,9 @@ class Supervisor:
         self.drain_started: float | None = None
         self.next_sync: float | None = None
         self.next_countdown: float | None = None
+        self._end_query: threading.Thread | None = None
+        self._end_answer: tuple[float | None] | None = None
+        self._wake_w = -1
         self.sidecar: Sidecar | None = None
         self.workdir = Path(tempfile.mkdtemp(prefix="opguard-run-"))
 
@@ -152,6 +156,7 @@ class Supervisor:
         os.set_blocking(r, False)
         os.set_blocking(w, False)
         signal.set_wakeup_fd(w, warn_on_full_buffer=False)
+        self._wake_w = w
         sigs = set(self.opts.forward) | ({self.opts.warning} if self.opts.warning else set())
         old = [(int(s), signal.signal(s, self._handler)) for s in sigs]
         return r, old
@@ -264,6 +269,9 @@ class Supervisor:
                 now = time.monotonic()
                 while self.pending_signals:
                     self.handle_signal(self.pending_signals.pop(0), now)
+                if self._end_answer is not None:
+                    answer, self._end_answer = self._end_answer, None
+                    self._on_end_time(answer[0], now)
                 if self.child_code is None and self.child.poll() is not None:
                     self._on_child_exit(now)
                     sel.unregister(child_fd)
@@ -383,22 +391,39 @@ class Supervisor:
                 time.sleep(0.05)
 
     def _countdown(self, now: float) -> None:
+        """Ask the scheduler for the job's end time in a thread (a slow controller must not delay
+        signal forwarding); the answer wakes the loop through the signal pipe."""
+        self.next_countdown = None
+        if self._end_query is not None and self._end_query.is_alive():
+            return
+
+        def ask() -> None:
+            self._end_answer = (countdown.end_time(os.environ),)
+            with contextlib.suppress(OSError):
+                os.write(self._wake_w, b"c")
+
+        self._end_query = threading.Thread(target=ask, name="opguard-run-countdown", daemon=True)
+        self._end_query.start()
+
+    def _on_end_time(self, end: float | None, now: float) -> None:
+        """Start the final drain when the time left falls to what a drain of the backlog needs."""
         assert self.config is not None
-        remaining = countdown.seconds_left(os.environ)
-        cap = effective_cap(self.config, self.identity.node_count).cap_mib_s
-        self.next_countdown = now + 60.0
-        if remaining is None:
+        if self.child_code is not None or self.drain_requested is not None:
+            return
+        if end is None:
+            self.next_countdown = now + 60.0
             return
         from opguard.launcher.backlog import backlog_bytes
         from opguard.staging.layout import Layout
 
+        remaining = end - time.time()
+        cap = effective_cap(self.config, self.identity.node_count).cap_mib_s
         pending = backlog_bytes(Layout(self.config), self.identity.owned_ranks(),
                                 self.identity.node_id if self.identity.node_duty else None)
         needed = countdown.lead_seconds(pending, cap)
         if remaining <= needed:
             self.request_drain(f"job ends in {remaining:.0f} s; a drain of {pending} bytes needs ~{needed:.0f} s")
-            self.next_countdown = None
-        else:
+        else:  # ask again, sooner as the end nears (the end time is never cached)
             self.next_countdown = now + max(1.0, min(60.0, (remaining - needed) / 2))
 
     def _node_setup(self, env: dict[str, str]) -> None:
