@@ -137,5 +137,7 @@ class OpEncoder:
             anns.append(self._dict("inputs", [self._slot(s) for s in rec.inputs]))
         if rec.outputs:
             anns.append(self._dict("outputs", [self._slot(s) for s in rec.outputs]))
-        self.w.slice(track, ts, rec.function, anns, flows_out=() if flow_out is None else (flow_out,),
-                     flows_in=() if flow_in is None else (flow_in,))
+        tag = F.E_ANNOTATION
+        framed = b"".join([tag + uv(len(a)) + a for a in anns])
+        self.w.slice_framed(track, ts, rec.function, framed, flows_out=() if flow_out is None else (flow_out,),
+                            flows_in=() if flow_in is None else (flow_in,))

@@ -81,8 +81,13 @@ class ExportWriter:
 
     def slice(self, track: int, ts: int, name: str, annotations: list[bytes], *,
               flows_out: Sequence[int] = (), flows_in: Sequence[int] = ()) -> None:
-        ev = [vfield(F.E_TYPE, F.SLICE_BEGIN), vfield(F.E_TRACK, track), ld(F.E_NAME, name.encode())]
-        ev.extend(ld(F.E_ANNOTATION, a) for a in annotations)
+        framed = b"".join(F.E_ANNOTATION + uv(len(a)) + a for a in annotations)
+        self.slice_framed(track, ts, name, framed, flows_out=flows_out, flows_in=flows_in)
+
+    def slice_framed(self, track: int, ts: int, name: str, framed: bytes, *,
+                     flows_out: Sequence[int] = (), flows_in: Sequence[int] = ()) -> None:
+        """A slice whose annotations are already framed as TrackEvent.debug_annotations fields."""
+        ev = [vfield(F.E_TYPE, F.SLICE_BEGIN), vfield(F.E_TRACK, track), ld(F.E_NAME, name.encode()), framed]
         for f in flows_out:
             ev.append(F.E_FLOW + struct.pack("<Q", f))
             self.flows += 1
