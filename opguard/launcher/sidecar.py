@@ -49,10 +49,10 @@ def _nice_child() -> None:  # in the sync child before exec: it never runs at no
 
 
 def lower_priority(pid: int) -> None:
-    """nice 19 and idle I/O class (best-effort class, lowest level, where idle is refused)."""
+    """Idle I/O class (best-effort class, lowest level, where idle is refused); nice 19 is set
+    before exec (``_nice_child``)."""
     try:
         p = psutil.Process(pid)
-        p.nice(19)
         try:
             p.ionice(psutil.IOPRIO_CLASS_IDLE)
         except (psutil.AccessDenied, OSError):

@@ -138,7 +138,6 @@ class Supervisor:
         self.drain_requested: str | None = None  # why the final drain started
         self.final_after_exit_done = False
         self.early_drain_started = False
-        self.drain_started: float | None = None
         self.next_sync: float | None = None
         self.next_countdown: float | None = None
         self._end_query: threading.Thread | None = None
@@ -198,13 +197,10 @@ class Supervisor:
         if self.child_code is not None:
             if not self.final_after_exit_done:
                 self.final_after_exit_done = True
-                if self.drain_started is None:
-                    self.drain_started = now
                 sc.start(final=True)
             return
         if self.drain_requested is not None and not self.early_drain_started:
             self.early_drain_started = True
-            self.drain_started = now
             sc.start(final=True)
             return
         if self.next_sync is not None and now >= self.next_sync:
@@ -325,7 +321,7 @@ class Supervisor:
                 res = self.sidecar.stop()
                 if res is not None:
                     self.report.add_sync(res, res.final)
-            self._cleanup_tree(final=True)
+            self._cleanup_tree()
         assert self.child_code is not None
         return self._finish()
 
@@ -379,7 +375,7 @@ class Supervisor:
             self.say(f"opguard-run: grace of {self.opts.kill_grace:g} s over: SIGKILL to the child's tree "
                      f"({n} process(es))")
 
-    def _cleanup_tree(self, final: bool) -> None:
+    def _cleanup_tree(self) -> None:
         if self.child is not None and self.child.poll() is None:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(self.child.pid, signal.SIGKILL)
