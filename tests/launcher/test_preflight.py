@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 from collections.abc import Iterator
@@ -190,3 +191,13 @@ def test_mountinfo_longest_prefix_and_escapes() -> None:
     assert mount_of(Path("/scratch/local ssd/a"), mounts).fstype == "xfs"  # type: ignore[union-attr]
     assert mount_of(Path("/scratchy"), mounts).fstype == "ext4"  # type: ignore[union-attr]
     assert is_network_fstype("fuse.glusterfs") and is_network_fstype("nfs") and not is_network_fstype("tmpfs")
+
+
+def test_lost_checkpoint_of_a_published_run(staging_env: dict[str, str], tmp_path: Path) -> None:
+    """A run that already published rank 0, whose local checkpoint is then lost: refused before start."""
+    code = "from opguard.staging.writers import open_jsonl; open_jsonl('t.jsonl').write({'a': 1})"
+    first = run_wrapper([PY, "-c", code], staging_env)
+    assert first.returncode == 0, first.stderr
+    shutil.rmtree(Path(staging_env["OPGUARD_LOCAL_DUMP_BASE"]) / "state" / "streams" / "rank-000000")
+    refused(staging_env, tmp_path, "already has 1 batch(es) on the target", "no local checkpoint",
+            "restore the staging directory or choose a new run ID")
