@@ -16,6 +16,16 @@ OPGUARD = str(BIN / "opguard")
 PY = str(BIN / "python")
 
 
+LIVE: list[subprocess.Popen[str]] = []  # wrappers a test started; the conftest kills leftovers
+
+
+def spawn(args: Sequence[str], env: dict[str, str]) -> subprocess.Popen[str]:
+    """Start ``opguard-run ARGS`` in the background (stdout/stderr captured as text)."""
+    p = subprocess.Popen([OPGUARD_RUN, *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    LIVE.append(p)
+    return p
+
+
 def run_wrapper(args: Sequence[str], env: dict[str, str], timeout: float = 120,
                 cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run([OPGUARD_RUN, *args], env=env, capture_output=True, text=True, timeout=timeout,

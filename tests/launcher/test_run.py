@@ -15,15 +15,14 @@ import pytest
 from opguard.launcher.countdown import lead_seconds, parse_end_time
 from opguard.launcher.identity import resolve
 from opguard.launcher.nodeinfo import filtered_env, program_paths, source_index
-from tests.launcher.helpers import OPGUARD, OPGUARD_RUN, PY, pid_alive, tree_snapshot, wait_for
+from tests.launcher.helpers import OPGUARD, OPGUARD_RUN, PY, pid_alive, spawn, tree_snapshot, wait_for
 
 PROG = str(Path(__file__).parent / "progs" / "sigchild.py")
 
 
 def test_second_node_duty_claimant_is_refused(staging_env: dict[str, str], tmp_path: Path) -> None:
     out = tmp_path / "out"
-    first = subprocess.Popen([OPGUARD_RUN, PY, PROG, str(out), "wait", "0"], env=staging_env,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    first = spawn([PY, PROG, str(out), "wait", "0"], staging_env)
     try:
         wait_for(lambda: (out / "ready").exists(), 60, "the first wrapper's child")
         # a second local rank 0 on the same local base (e.g. two "nodes" sharing one base)
@@ -66,8 +65,7 @@ def test_quiet_and_verbose_progress(staging_env: dict[str, str], tmp_path: Path)
 def test_exit_hook_finishes_a_drain_cut_by_sigkill(staging_env: dict[str, str], tmp_path: Path) -> None:
     out = tmp_path / "out"
     env = {**staging_env, "OPGUARD_LOCAL_DUMP_SYNC_INTERVAL": "3600"}
-    p = subprocess.Popen([OPGUARD_RUN, PY, PROG, str(out), "wait", "0"], env=env, stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True)
+    p = spawn([PY, PROG, str(out), "wait", "0"], env)
     wait_for(lambda: (out / "ready").exists(), 60, "the child to start")
     child = int((out / "child.pid").read_text())
     p.send_signal(signal.SIGKILL)  # what Slurm does after KillWait
@@ -90,8 +88,7 @@ def test_periodic_syncs_are_staggered_and_low_priority(staging_env: dict[str, st
     env = {**staging_env, "OPGUARD_LOCAL_DUMP_SYNC_INTERVAL": "4", "OPGUARD_NODE_INDEX": "1",
            "OPGUARD_NODE_COUNT": "2"}
     t0 = time.monotonic()
-    p = subprocess.Popen([OPGUARD_RUN, PY, PROG, str(out), "wait", "0"], env=env, stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True)
+    p = spawn([PY, PROG, str(out), "wait", "0"], env)
     import psutil
 
     wrapper = psutil.Process(p.pid)

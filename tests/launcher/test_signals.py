@@ -10,14 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from tests.launcher.helpers import OPGUARD, OPGUARD_RUN, PY, pid_alive, wait_for
+from tests.launcher.helpers import OPGUARD, OPGUARD_RUN, PY, pid_alive, spawn, wait_for
 
 PROG = str(Path(__file__).parent / "progs" / "sigchild.py")
 
 
 def start(env: dict[str, str], *args: str) -> subprocess.Popen[str]:
-    return subprocess.Popen([OPGUARD_RUN, *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+    return spawn(args, env)
 
 
 def restore(env: dict[str, str], dest: Path) -> Path:

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import BIN
-from tests.launcher.helpers import OPGUARD, OPGUARD_RUN, pid_alive, wait_for
+from tests.launcher.helpers import OPGUARD, OPGUARD_RUN, pid_alive, spawn, wait_for
 
 TORCHRUN = str(BIN / "torchrun")
 APP = str(Path(__file__).parent / "progs" / "ddp_app.py")
@@ -72,8 +72,7 @@ def test_two_simulated_nodes_one_shared_target(staging_env: dict[str, str], tmp_
         base = tmp_path / f"local-{node}"
         base.mkdir()
         env = {**staging_env, "OPGUARD_NODE_ID": node, "OPGUARD_LOCAL_DUMP_BASE": str(base), "OMP_NUM_THREADS": "1"}
-        procs.append(subprocess.Popen([OPGUARD_RUN, *torchrun(2, k, port, "15")], env=env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, text=True))
+        procs.append(spawn(torchrun(2, k, port, "15"), env))
     outs = [p.communicate(timeout=300) for p in procs]
     for p, (_o, e) in zip(procs, outs, strict=True):
         assert p.returncode == 0, e
@@ -93,8 +92,7 @@ def test_sigterm_to_torchrun_wrapper(staging_env: dict[str, str], tmp_path: Path
     out = tmp_path / "out"
     out.mkdir()
     env = {**staging_env, "OMP_NUM_THREADS": "1", "OPGUARD_LOCAL_DUMP_SYNC_INTERVAL": "3600"}
-    p = subprocess.Popen([OPGUARD_RUN, "--kill-grace", "30", *torchrun(1, 0, free_port(), "0", str(out))], env=env,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    p = spawn(["--kill-grace", "30", *torchrun(1, 0, free_port(), "0", str(out))], env)
     wait_for(lambda: (out / "ready-0").exists() and (out / "ready-1").exists(), 180, "both workers to train")
     workers = [int((out / f"ready-{r}").read_text()) for r in (0, 1)]
     p.send_signal(signal.SIGTERM)
