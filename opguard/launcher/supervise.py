@@ -156,7 +156,8 @@ class Supervisor:
         os.set_blocking(w, False)
         signal.set_wakeup_fd(w, warn_on_full_buffer=False)
         self._wake_w = w
-        sigs = set(self.opts.forward) | ({self.opts.warning} if self.opts.warning else set())
+        # SIGTERM always starts the drain, forwarded or not
+        sigs = set(self.opts.forward) | {signal.SIGTERM} | ({self.opts.warning} if self.opts.warning else set())
         old = [(int(s), signal.signal(s, self._handler)) for s in sigs]
         return r, old
 
@@ -165,17 +166,22 @@ class Supervisor:
         forwarded = False
         is_warning = self.opts.warning is not None and signum == self.opts.warning
         child_running = self.child is not None and self.child_code is None
-        if (not is_warning or self.opts.forward_warning) and child_running:
+        wanted = self.opts.forward_warning if is_warning else signum in self.opts.forward
+        if wanted and child_running:
             assert self.child is not None
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(self.child.pid, signum)
                 forwarded = True
         self.received.append({"signal": name, "at": time.time(), "forwarded": forwarded})
         if self.opts.verbose or not self.opts.quiet:
-            what = "forwarded to the child's process group" if forwarded else (
-                "consumed" if is_warning else "child already exited")
+            if forwarded:
+                what = "forwarded to the child's process group"
+            elif wanted:
+                what = "the child already exited"
+            else:
+                what = "consumed (--forward-warning forwards it)" if is_warning else "not forwarded (--forward-signals)"
             self.say(f"opguard-run: received {name}: {what}")
-        if signum == signal.SIGTERM and child_running and self.kill_at is None:
+        if signum == signal.SIGTERM and forwarded and self.kill_at is None:
             self.kill_at = now + self.opts.kill_grace
         if signum == signal.SIGTERM or is_warning:
             self.request_drain("SIGTERM" if signum == signal.SIGTERM else f"warning signal {name}")

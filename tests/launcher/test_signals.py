@@ -167,3 +167,19 @@ def test_bad_signal_option(staging_env: dict[str, str]) -> None:
     r = subprocess.run([OPGUARD_RUN, "--forward-signals", "TERM,KILL", PY, "-c", "pass"], env=staging_env,
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "SIGKILL cannot be caught" in r.stderr
+
+
+def test_sigterm_not_forwarded_still_drains(staging_env: dict[str, str], tmp_path: Path) -> None:
+    """--forward-signals without TERM: the wrapper still drains at once; the child is not signalled."""
+    out = tmp_path / "out"
+    env = {**staging_env, "OPGUARD_LOCAL_DUMP_SYNC_INTERVAL": "3600"}
+    p = start(env, "--forward-signals", "INT", PY, PROG, str(out), "wait", "4")
+    wait_for(lambda: (out / "ready").exists(), 60, "the child to start")
+    seal_dir = Path(env["OPGUARD_LOCAL_DUMP_TARGET"]) / ".opguard-bundles" / "streams" / "rank-000000"
+    p.send_signal(signal.SIGTERM)
+    wait_for(lambda: any(seal_dir.glob("*.seal")) if seal_dir.exists() else False, 60, "the drain's seal")
+    (out / "release").write_text("1")
+    _o, err = p.communicate(timeout=120)
+    assert p.returncode == 4, err
+    assert not (out / "signals.txt").exists()
+    assert "received SIGTERM: not forwarded (--forward-signals)" in err
