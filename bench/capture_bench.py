@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -116,7 +115,10 @@ def child_rss(args: argparse.Namespace) -> None:
     else:
         for _ in range(args.steps):
             transformer_step(model, opt, idx, tgt)
-    print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+    # VmHWM: this process's own peak RSS (ru_maxrss would include the parent's RSS at fork)
+    with open("/proc/self/status") as f:
+        hwm = next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
+    print(hwm * 1024)
 
 
 def main() -> None:

@@ -16,7 +16,7 @@ MASK64 = (1 << 64) - 1
 GOLDEN = 0x9E3779B97F4A7C15
 TABLE_SEED = 0x6F70677561726431  # "opguard1"
 BLOCK_SEED = 0x6F70677561726432  # "opguard2"
-TABLE_BITS = 20
+TABLE_BITS = 16
 TABLE_LEN = 1 << TABLE_BITS
 SAMPLE = 4096
 ALGORITHM = "mix64-v1"
@@ -124,6 +124,8 @@ class Digester:
     @staticmethod
     def elements(t: torch.Tensor) -> torch.Tensor:
         """The tensor as a same-shaped tensor of fixed-width signed integers (a view, never a copy)."""
+        if t.is_conj() or t.is_neg():
+            t = t.resolve_conj().resolve_neg()
         if t.is_complex():
             t = torch.view_as_real(t)
         if t.dtype == torch.bool:
@@ -136,8 +138,8 @@ class Digester:
 
     def scratch(self, device: torch.device, dtype: torch.dtype, slot: int, n: int) -> torch.Tensor:
         """A reusable 1-D work buffer of ``n`` <= TABLE_LEN elements: no allocation (and, on CPU, no
-        fresh zero pages) per tensor; bounded extra memory per device. Safe to reuse because the
-        work on a device is ordered (CPU: synchronous; CUDA: the current stream)."""
+        fresh zero pages) per tensor; small (cache-resident), bounded extra memory per device. Safe
+        to reuse because the work on a device is ordered (CPU: synchronous; CUDA: current stream)."""
         key = (device, dtype, slot)
         buf = self._scratch.get(key)
         if buf is None:
@@ -162,6 +164,8 @@ class Digester:
         """The tensor's logical element sequence as little-endian 64-bit words (1-D int64): a view
         for contiguous data whose size is a multiple of 8 bytes; otherwise one copy (non-contiguous
         data) and/or a zero-padded last word."""
+        if t.is_conj() or t.is_neg():
+            t = t.resolve_conj().resolve_neg()
         if t.is_complex():
             t = torch.view_as_real(t)
         if t.dtype == torch.bool:
@@ -242,6 +246,8 @@ def stats_row(t: torch.Tensor) -> torch.Tensor:
     non-finite count is the sum of ``nan_to_num(x - x, nan=1)`` (x - x is NaN exactly for NaN and
     ±Inf), the Inf count the same over ``nan_to_num(x, nan=0)`` (NaN removed, ±Inf kept).
     """
+    if t.is_conj() or t.is_neg():
+        t = t.resolve_conj().resolve_neg()
     x = torch.view_as_real(t) if t.is_complex() else t
     if x.is_floating_point():
         acc = torch.float64 if x.dtype == torch.float64 else torch.float32
