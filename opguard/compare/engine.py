@@ -164,10 +164,11 @@ def _run_rows(job: _Job, r0: int, r1: int, writer: ExportWriter) -> _Chunk:
             basis = pairing.basis_a[i] or ""
             d = diff_pair(ra, rb)
             flow = job.flow_base + row + 1
-            em.op(ta, ts, "A", sa.name, ra, rid_a, {"state": "paired", "other": rid_b, "basis": basis},
-                  d.status, d, flow_out=flow)
+            slots = em.op(ta, ts, "A", sa.name, ra, rid_a, {"state": "paired", "other": rid_b, "basis": basis},
+                          d.status, d, flow_out=flow)
+            same = ra.inputs == rb.inputs and ra.outputs == rb.outputs     # every recorded field equal
             em.op(tb, ts, "B", sb.name, rb, rid_b, {"state": "paired", "other": rid_a, "basis": basis},
-                  d.status, d, flow_in=flow)
+                  d.status, d, flow_in=flow, slots=slots if same else None)
             out.status[d.status] += 1
             out.basis[basis] += 1
             if d.status == MISMATCH:

@@ -108,7 +108,10 @@ class OpEncoder:
 
     def op(self, track: int, ts: int, run: str, stream: str, rec: Record, rid: str,
            correspondence: dict[str, Any], status: str, diff: Diff | None,
-           flow_out: int | None = None, flow_in: int | None = None) -> None:
+           flow_out: int | None = None, flow_in: int | None = None,
+           slots: tuple[bytes, bytes] | None = None) -> tuple[bytes, bytes]:
+        """Emit the slice; returns the encoded (inputs, outputs) annotations, which the caller may
+        pass back as ``slots`` for another record whose slots are equal in every field."""
         anns = [self._s("record_id", rid), self._cs("run", run), self._i("rank", rec.rank),
                 self._cs("stream", stream), self._i("index", rec.index)]
         if rec.seq is not None:
@@ -133,11 +136,12 @@ class OpEncoder:
             dd: dict[str, object] = {"fields": ", ".join(diff.fields), "inputs_equal": diff.inputs_equal}
             dd.update(diff.numeric)
             anns.append(self.ann.value("diff", dd))
-        if rec.inputs:
-            anns.append(self._dict("inputs", [self._slot(s) for s in rec.inputs]))
-        if rec.outputs:
-            anns.append(self._dict("outputs", [self._slot(s) for s in rec.outputs]))
+        if slots is None:
+            slots = (self._dict("inputs", [self._slot(s) for s in rec.inputs]) if rec.inputs else b"",
+                     self._dict("outputs", [self._slot(s) for s in rec.outputs]) if rec.outputs else b"")
+        anns.extend(x for x in slots if x)
         tag = F.E_ANNOTATION
         framed = b"".join([tag + uv(len(a)) + a for a in anns])
         self.w.slice_framed(track, ts, rec.function, framed, flows_out=() if flow_out is None else (flow_out,),
                             flows_in=() if flow_in is None else (flow_in,))
+        return slots
