@@ -75,13 +75,39 @@ def _record(seq: int, rank: int, fn: str, line: int, src: str, a: str, out: str,
             f'"stats":{{"min":-4.1,"max":3.9,"mean":0.001,"std":0.99,"absmax":4.1,"nan":0,"inf":0}}}}]}}\n')
 
 
-def baseline(paths: list[Path]) -> float:
-    t = time.perf_counter()
+def _watch_tree(proc: subprocess.Popen[bytes]) -> int:
+    """Wait for proc; the peak of the summed RSS (and USS) of it and its children, sampled every 0.2 s."""
+    import psutil
+
+    peak = uss_peak = 0
+    try:
+        root = psutil.Process(proc.pid)
+        while proc.poll() is None:
+            rss = uss = 0
+            for p in [root, *root.children(recursive=True)]:
+                try:
+                    mi = p.memory_full_info()
+                    rss += mi.rss
+                    uss += mi.uss
+                except (psutil.NoSuchProcess, psutil.AccessDenied):
+                    pass
+            peak, uss_peak = max(peak, rss), max(uss_peak, uss)
+            time.sleep(0.2)
+    except psutil.NoSuchProcess:
+        pass
+    proc.wait()
+    _watch_tree.uss_peak = uss_peak  # type: ignore[attr-defined]
+    return peak
+
+
+def baseline(paths: list[Path]) -> tuple[float, float]:
+    """(wall s, CPU s) of reading and JSON-parsing every line of both runs."""
+    t, c = time.perf_counter(), time.process_time()
     for p in paths:
         with open(p, "rb") as f:
             for line in f:
                 json.loads(line)
-    return time.perf_counter() - t
+    return time.perf_counter() - t, time.process_time() - c
 
 
 def main() -> None:
@@ -98,14 +124,19 @@ def main() -> None:
         size_b = write_run(work / "b", args.ranks, per_rank, "b")
         gen = time.perf_counter() - t
         files = sorted(work.rglob("trace.jsonl"))
-        base_s = baseline(files)
+        base_s, base_cpu = baseline(files)
         out = work / "view.pftrace"
         opguard = Path(sys.executable).parent / "opguard"
         t = time.perf_counter()
-        p = subprocess.run([str(opguard), "compare", str(work / "a"), str(work / "b"), "-o", str(out)],
-                           capture_output=True, text=True)
+        errf = open(work / "stderr.txt", "w+")  # noqa: SIM115
+        proc = subprocess.Popen([str(opguard), "compare", str(work / "a"), str(work / "b"), "-o", str(out)],
+                                stdout=subprocess.DEVNULL, stderr=errf)
+        tree_peak = _watch_tree(proc)
         wall = time.perf_counter() - t
-        peak_kib = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+        errf.seek(0)
+        p = subprocess.CompletedProcess(proc.args, proc.returncode, "", errf.read())
+        ru = resource.getrusage(resource.RUSAGE_CHILDREN)
+        peak_kib, cpu = ru.ru_maxrss, ru.ru_utime + ru.ru_stime
         if p.returncode != 0:
             print(p.stderr, file=sys.stderr)
             raise SystemExit(f"compare failed with exit status {p.returncode}")
@@ -113,10 +144,14 @@ def main() -> None:
         result = {
             "ops_per_side": per_rank * args.ranks, "ranks": args.ranks,
             "trace_bytes": trace_bytes, "generate_s": round(gen, 1),
-            "baseline_parse_s": round(base_s, 2), "compare_s": round(wall, 2),
-            "ratio_to_baseline": round(wall / base_s, 2),
+            "baseline_parse_s": round(base_s, 2), "baseline_parse_cpu_s": round(base_cpu, 2),
+            "compare_s": round(wall, 2), "compare_cpu_s": round(cpu, 2),
+            "ratio_to_baseline": round(wall / base_s, 2), "cpu_ratio_to_baseline": round(cpu / base_cpu, 2),
+            "load_average_1min": round(os.getloadavg()[0], 1), "cpus": os.cpu_count(),
             "trace_GB_per_s": round(trace_bytes / wall / 1e9, 3),
-            "peak_rss_MiB": round(peak_kib / 1024, 1), "export_bytes": out.stat().st_size,
+            "peak_rss_MiB_largest_process": round(peak_kib / 1024, 1),
+            "peak_rss_MiB_process_tree": round(tree_peak / 2**20, 1),
+            "peak_uss_MiB_process_tree": round(_watch_tree.uss_peak / 2**20, 1), "export_bytes": out.stat().st_size,
             "export_bytes_per_op": round(out.stat().st_size / (2 * per_rank * args.ranks), 1),
             "goal_s": 60, "goal_rss_MiB": 2048,
         }
