@@ -24,7 +24,8 @@ from opguard.errors import ConfigError, OpguardError
 
 SITE_DIR = Path(__file__).resolve().parent / "_site"
 ENABLE = "OPGUARD_CAPTURE"
-_AGENT_MODULES = ("torch.distributed.run", "torch.distributed.launch", "torch.distributed.elastic.agent")
+_AGENT_MODULES = ("torch.distributed.run", "torch.distributed.launch", "torch.distributed.elastic.agent",
+                  "torch._inductor")  # the launcher agent; torch.compile's compile workers
 
 
 def child_env(env: Mapping[str, str], options: CaptureOptions | None = None) -> dict[str, str]:
@@ -48,9 +49,12 @@ def child_env(env: Mapping[str, str], options: CaptureOptions | None = None) -> 
 
 
 def is_agent(orig_argv: Sequence[str], argv: Sequence[str]) -> bool:
-    """True in the torchrun/launch agent process (it imports torch but runs no user code):
-    ``torchrun ...`` or ``python -m torch.distributed.run|launch ...``."""
+    """True where capture must not start although torch is imported: the torchrun/launch agent
+    (``torchrun ...``, ``python -m torch.distributed.run|launch ...``), torch.compile's compile
+    workers, and multiprocessing children (DataLoader workers: they share their rank's directory)."""
     if argv and os.path.basename(argv[0]) in ("torchrun", "torchrun.exe"):
+        return True
+    if "--multiprocessing-fork" in orig_argv or any("from multiprocessing." in a for a in orig_argv):
         return True
     args = list(orig_argv)
     for i, a in enumerate(args[1:], 1):

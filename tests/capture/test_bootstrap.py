@@ -65,6 +65,9 @@ def test_steps_parsing() -> None:
     (["python", "-u", "train.py"], ["train.py"], False),
     (["python", "-m", "mypkg.train"], ["-m"], False),
     (["python", "-c", "import torch"], ["-c"], False),
+    (["python", "-c", "from multiprocessing.spawn import spawn_main; spawn_main(tracker_fd=5, pipe_handle=7)",
+      "--multiprocessing-fork"], ["-c", "--multiprocessing-fork"], True),
+    (["python", "-m", "torch._inductor.compile_worker", "--workers=2"], ["-m"], True),
 ])
 def test_agent_detection(orig: list[str], argv: list[str], agent: bool) -> None:
     assert is_agent(orig, argv) is agent
