@@ -38,7 +38,35 @@ def handle_errors(fn: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+# Subcommands live in their own modules and are imported only when invoked (or listed by --help),
+# so `opguard sync` and `opguard-run` do not pay for loading compare or restore.
+LAZY_COMMANDS: dict[str, tuple[str, str]] = {
+    "sync": ("opguard.cli_staging", "sync_cmd"),
+    "materialize": ("opguard.cli_restore", "materialize_cmd"),
+    "verify": ("opguard.cli_restore", "verify_cmd"),
+    "plan": ("opguard.cli_run", "plan_cmd"),
+    "compare": ("opguard.cli_compare", "compare_cmd"),
+}
+
+
+class LazyGroup(click.Group):
+    """A click group that imports a subcommand's module on first use."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted({*super().list_commands(ctx), *LAZY_COMMANDS})
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        spec = LAZY_COMMANDS.get(cmd_name)
+        if spec is None:
+            return super().get_command(ctx, cmd_name)
+        import importlib
+
+        cmd = getattr(importlib.import_module(spec[0]), spec[1])
+        assert isinstance(cmd, click.Command)
+        return cmd
+
+
+@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="opguard")
 def main() -> None:
     """opguard: local staging, launcher and comparison tools for distributed training."""
@@ -63,22 +91,12 @@ def paths_cmd(rank: int | None, as_json: bool) -> None:
             click.echo(f"{k}: {info[k]}")
 
 
-def _register() -> None:
-    import importlib
-
-    for mod in ("opguard.cli_staging", "opguard.cli_restore", "opguard.cli_run", "opguard.cli_compare"):
-        try:
-            importlib.import_module(mod)
-        except ModuleNotFoundError as e:
-            if e.name != mod:
-                raise
-
-
-_register()
-
-
 def run_main() -> None:
     """Entry point of ``opguard-run``."""
     from opguard.cli_run import run_command
 
     run_command(prog_name="opguard-run")
+
+
+if __name__ == "__main__":
+    main()
