@@ -55,6 +55,7 @@ def run_times(args: argparse.Namespace) -> dict[str, object]:
     import torch
 
     import opguard.capture as oc
+    from tests.capture.progs.models import transformer_step
 
     torch.set_num_threads(args.threads)
     model, opt, idx, tgt = setup(args)
@@ -64,20 +65,28 @@ def run_times(args: argparse.Namespace) -> dict[str, object]:
     bytes_per_step: dict[str, float] = {}
     tmp = Path(tempfile.mkdtemp(prefix="capbench-"))
     for rnd in range(args.rounds):
-        base_times += timed_steps(model, opt, idx, tgt, args.steps)
-        for mode in args.modes:
+        # rotate the order every round (baseline included) so drift and warm-up hit every mode alike
+        order: list[str | None] = [None, *args.modes]
+        k = rnd % len(order)
+        for mode in order[k:] + order[:k]:
+            if mode is None:
+                base_times += timed_steps(model, opt, idx, tgt, args.steps)
+                continue
             out = tmp / f"{mode}-{rnd}"
             env = {"OPGUARD_TRACE_OUTPUT_BASE": str(out)}
-            with oc.capture(env=env, digest=mode, level=args.level, buffer=args.buffer):
-                times = []
+            # "intercept": the function mode, call-site lookup and selection only (nothing matches)
+            kw = {"digest": "none", "functions": "-nothing-"} if mode == "intercept" else {"digest": mode}
+            times = []
+            cap = oc.capture(env=env, level=args.level, buffer=args.buffer, **kw)
+            with cap:
                 for i in range(args.steps):
                     oc.step(i)
                     t0 = time.perf_counter()
-                    from tests.capture.progs.models import transformer_step
                     transformer_step(model, opt, idx, tgt)
                     times.append(time.perf_counter() - t0)
-            # the final flush at exit is part of the cost: spread it over the steps
-            cap_times[mode] += times
+                t_exit = time.perf_counter()
+            exit_s = time.perf_counter() - t_exit  # the final flush and tables: spread over the steps
+            cap_times[mode] += [t + exit_s / args.steps for t in times]
             bytes_per_step[mode] = trace_bytes(out) / args.steps
     base = statistics.median(base_times)
     res: dict[str, object] = {"baseline_step_s": base, "modes": {}}
@@ -132,7 +141,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--buffer", type=int, default=256)
     ap.add_argument("--level", default="function")
-    ap.add_argument("--modes", default="full,sample,xor,none")
+    ap.add_argument("--modes", default="full,sample,xor,none,intercept",
+                    help="digest modes to time; 'intercept' = interception only (no call selected)")
     ap.add_argument("--no-rss", action="store_true")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--child-rss", default=None, help=argparse.SUPPRESS)
@@ -146,7 +156,7 @@ def main() -> None:
     if not args.no_rss:
         base_rss = peak_rss(args, None)
         res["baseline_peak_rss_mib"] = round(base_rss / 2**20, 1)
-        for mode in args.modes:
+        for mode in [m for m in args.modes if m != "intercept"]:
             extra = peak_rss(args, mode) - base_rss
             res["modes"][mode]["peak_extra_rss_mib"] = round(extra / 2**20, 1)  # type: ignore[index]
     res["config"] = {k: v for k, v in vars(args).items() if k not in ("json", "child_rss")}
