@@ -37,7 +37,8 @@ def sync_cmd(ranks: tuple[int, ...], node: bool, all_: bool, final: bool, report
     from opguard.staging.config import StagingConfig
     from opguard.staging.fsutil import atomic_replace_json
     from opguard.staging.layout import Layout, current_node_id, current_rank, node_stream, rank_stream
-    from opguard.staging.sync import all_streams, format_bytes, sync_streams
+    from opguard.staging.sync import all_streams, sync_streams
+    from opguard.staging.units import format_bytes
 
     config = StagingConfig.from_env()
     config.require_staging()

@@ -8,10 +8,11 @@ from pathlib import Path
 from typing import Any
 
 from opguard.launcher.identity import Identity
-from opguard.launcher.sidecar import SyncResult, fmt_bytes
+from opguard.launcher.sidecar import SyncResult
 from opguard.staging.config import StagingConfig
 from opguard.staging.fsutil import atomic_replace_json
 from opguard.staging.layout import Layout, node_stream, rank_stream
+from opguard.staging.units import format_bytes
 
 REPORT_VERSION = 1
 
@@ -86,6 +87,6 @@ class RunReport:
         pending = d["pending_bytes"]
         return (f"opguard-run: drain {d['status']}: {d['published_batches']} batch(es) published in the final "
                 f"drain, {len(d['sealed_streams'])} stream(s) sealed, {len(d['unsealed_streams'])} unsealed, "
-                f"pending {fmt_bytes(pending) if pending is not None else 'unknown'}; "
+                f"pending {format_bytes(pending) if pending is not None else 'unknown'}; "
                 f"{self.syncs} sync(s), {self.sync_failures} failed; {code}"
                 + ("" if d["status"] == "complete" else "; finish with: opguard sync --all --final"))

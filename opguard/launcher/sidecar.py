@@ -21,6 +21,7 @@ from typing import Any
 import psutil
 
 from opguard.launcher.identity import Identity
+from opguard.staging.units import format_bytes
 
 _ENTRY = "import sys; sys.argv[0] = 'opguard'; from opguard.cli import main; main()"
 
@@ -61,14 +62,6 @@ def lower_priority(pid: int) -> None:
         pass  # the sync still runs; priority is an optimisation
 
 
-def fmt_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{int(n)} B" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} GiB"
-
-
 @dataclass
 class SyncResult:
     """One finished sync: exit status, the sync's own JSON report (if written) and its stderr tail."""
@@ -93,7 +86,7 @@ class SyncResult:
         backlog = float(r.get("backlog_bytes", 0))
         rate = up / self.seconds if self.seconds > 0 else 0.0
         head = (f"opguard-run: {kind} {'ok' if self.ok else f'FAILED (exit {self.exit_code})'}: {batches} batch(es), "
-                f"{fmt_bytes(up)} in {self.seconds:.1f} s ({fmt_bytes(rate)}/s), backlog {fmt_bytes(backlog)}")
+                f"{format_bytes(up)} in {self.seconds:.1f} s ({format_bytes(rate)}/s), backlog {format_bytes(backlog)}")
         if self.final and self.ok:
             sealed = sum(1 for s in r.get("streams", []) if s.get("sealed"))
             head += f", {sealed} stream(s) sealed"

@@ -31,6 +31,7 @@ from opguard.staging.publish import Bucket, remove_stale_tmp, upload
 from opguard.staging.ratelimit import TokenBucket
 from opguard.staging.scan import Change, detect, walk
 from opguard.staging.target import check_stream, ensure_target, staging_of
+from opguard.staging.units import format_bytes
 
 TORN_RETRIES = 3
 _RANK_STREAM = re.compile(r"^rank-(\d{6,})$")
@@ -357,8 +358,8 @@ def _sync_stream(ctx: _Ctx, final: bool) -> None:
         cp = _publish(ctx, pending)
         ctx.report.payload_bytes += payload
         if final:
-            ctx.progress(f"{ctx.stream}: published batch {pending.sequence} ({_fmt(payload)} payload, "
-                         f"{_fmt(pending.size)} compressed), {_fmt(backlog)} left")
+            ctx.progress(f"{ctx.stream}: published batch {pending.sequence} ({format_bytes(payload)} payload, "
+                         f"{format_bytes(pending.size)} compressed), {format_bytes(backlog)} left")
         else:
             break
     if ctx.skipped_changed and not (ctx.state / "pending.json").exists():
@@ -375,18 +376,6 @@ def _payload_of(ctx: _Ctx, pending: Pending) -> int:
         return int(read_manifest(path).manifest.get("payload_size", 0))
     except (OSError, OpguardError):
         return 0
-
-
-def _fmt(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1024
-    return f"{n:.1f} GiB"
-
-
-def format_bytes(n: float) -> str:
-    return _fmt(n)
 
 
 def sync_streams(config: StagingConfig, layout: Layout, streams: Sequence[str], *, final: bool = False,
