@@ -168,12 +168,20 @@ def test_sigkill_at_random_moments(staging_env: dict[str, str], tmp_path: Path) 
     w.check_final(tmp_path)
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="known bug (reported): a crash between writing state/.tmp-run.json.* and linking it to "
-                          "run.json leaves the temporary forever (target.ensure_target never removes it)")
 def test_crash_while_creating_run_json_leaves_nothing_behind(staging_env: dict[str, str], tmp_path: Path) -> None:
     w = World(staging_env, seed=99)
     r = sync_crashing_at(staging_env, "exclusive-tmp-written#2")  # #1 is format.json, #2 the local run.json
     assert r.returncode == KILLED, r.stderr
     w.after_crash()
     w.normal_sync()  # asserts that nothing of the crash is left
+
+
+def test_run_json_temporary_left_after_the_link_is_removed(staging_env: dict[str, str], tmp_path: Path) -> None:
+    """A crash after linking run.json but before unlinking its temporary: run.json exists, the temporary too."""
+    w = World(staging_env, seed=98)
+    w.normal_sync()
+    orphan = w.local / "state" / ".tmp-run.json.0123456789ab"
+    orphan.write_bytes((w.local / "state" / "run.json").read_bytes())
+    w.step()
+    w.normal_sync()  # asserts that nothing of the crash is left
+    assert not orphan.exists() and (w.local / "state" / "run.json").is_file()

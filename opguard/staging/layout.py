@@ -123,6 +123,11 @@ class Layout:
     def node_duty_lock(self) -> Path:
         return self.locks_dir / "node-duty.lock"
 
+    @property
+    def run_lock(self) -> Path:
+        """Held while ``run.json`` is created and while its orphaned temporaries are removed."""
+        return self.locks_dir / "run.lock"
+
     def stream_state_dir(self, stream: str) -> Path:
         return self._state() / "streams" / stream
 

@@ -17,7 +17,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from opguard.errors import ConfigError, IdentityError
+import filelock
+
+from opguard.errors import ConfigError, IdentityError, LockTimeout
 from opguard.staging.bundle import FORMAT_VERSION, parse_batch_name
 from opguard.staging.checkpoint import Checkpoint, Pending, load_checkpoint, load_pending
 from opguard.staging.config import StagingConfig
@@ -26,6 +28,7 @@ from opguard.staging.layout import BUNDLES_DIRNAME, Layout
 from opguard.staging.writers import check_staging_usable
 
 LEGACY_SNAPSHOT = "sync.tar.gz"
+RUN_TMP_PREFIX = ".tmp-run.json."  # create_exclusive's temporaries of state/run.json
 _V2_TOP = {"format.json", "nodes", "streams"}
 _SEAL_RE = re.compile(r"^(\d{12})\.seal$")
 NEW_RUN_FIX = "use a new output directory (OPGUARD_TRACE_OUTPUT_BASE / OPGUARD_LOCAL_DUMP_TARGET) or another run ID"
@@ -263,9 +266,41 @@ def ensure_target(config: StagingConfig, layout: Layout, node_id: str) -> None:
             fmt = read_format(s.bundles)  # another node won the race
             assert fmt is not None
             _check_format(s.bundles / "format.json", fmt, s.run_id)
-    if not has_run:
-        layout.locks_dir.mkdir(parents=True, exist_ok=True)
+    if not has_run or _run_tmp_orphans(layout):
+        _record_local_run(config, layout, s, node_id)
+
+
+def _run_tmp_orphans(layout: Layout) -> list[str]:
+    """Temporaries of ``run.json`` (``state/.tmp-run.json.*``) present now."""
+    try:
+        names = os.listdir(layout.run_file.parent)
+    except FileNotFoundError:
+        return []
+    return [n for n in names if n.startswith(RUN_TMP_PREFIX)]
+
+
+def _record_local_run(config: StagingConfig, layout: Layout, s: Staging, node_id: str) -> None:
+    """Create ``run.json`` if absent, under the node-local run lock, first removing its orphaned
+    temporaries: every creator holds the lock, so a temporary seen under it belongs to a process
+    that died between writing it and linking it (``docs/protocol.md``, step 3)."""
+    layout.locks_dir.mkdir(parents=True, exist_ok=True)
+    lock = filelock.FileLock(os.fspath(layout.run_lock), timeout=config.lock_timeout)
+    try:
+        lock.acquire()
+    except filelock.Timeout:
+        raise LockTimeout(
+            f"another sync held {layout.run_lock} for more than OPGUARD_SYNC_LOCK_TIMEOUT={config.lock_timeout:g} s "
+            "while recording this node's run file; nothing was uploaded by this sync",
+            "let the running sync finish (or raise OPGUARD_SYNC_LOCK_TIMEOUT)") from None
+    try:
+        for n in _run_tmp_orphans(layout):
+            (layout.run_file.parent / n).unlink(missing_ok=True)
+        if layout.run_file.exists():
+            check_local_run(config, layout, node_id)
+            return
         doc = {"version": FORMAT_VERSION, "run_id": s.run_id, "target": os.fspath(s.target),
                "node_id": node_id, "hostname": socket.gethostname(), "created_at": time.time()}
         if not create_exclusive(layout.run_file, json.dumps(doc, sort_keys=True).encode() + b"\n"):
             check_local_run(config, layout, node_id)
+    finally:
+        lock.release()
