@@ -97,6 +97,56 @@ def run_times(args: argparse.Namespace) -> dict[str, object]:
     return res
 
 
+def breakdown(args: argparse.Namespace) -> dict[str, float]:
+    """One captured step (digest full) with the device work timed: where the cost is."""
+    import torch
+
+    import opguard.capture as oc
+    from opguard.capture import digest as dg
+    from opguard.capture import session as se
+    from tests.capture.progs.models import transformer_step
+
+    torch.set_num_threads(args.threads)
+    model, opt, idx, tgt = setup(args)
+    transformer_step(model, opt, idx, tgt)
+    acc = {"digest_s": 0.0, "stats_s": 0.0, "tensors": 0.0, "elements": 0.0}
+    full, row = dg.Digester._full, se.stats_row
+
+    def timed_full(self: dg.Digester, t: torch.Tensor) -> torch.Tensor:
+        t0 = time.perf_counter()
+        r = full(self, t)
+        acc["digest_s"] += time.perf_counter() - t0
+        acc["tensors"] += 1
+        acc["elements"] += t.numel()
+        return r
+
+    def timed_row(t: torch.Tensor) -> torch.Tensor:
+        t0 = time.perf_counter()
+        r = row(t)
+        acc["stats_s"] += time.perf_counter() - t0
+        return r
+
+    dg.Digester._full = timed_full  # type: ignore[method-assign]
+    se.stats_row = timed_row
+    try:
+        with tempfile.TemporaryDirectory() as d, oc.capture(env={"OPGUARD_TRACE_OUTPUT_BASE": d}):
+            oc.step(0)
+            transformer_step(model, opt, idx, tgt)
+            for k in acc:
+                acc[k] = 0.0
+            oc.step(1)
+            t0 = time.perf_counter()
+            transformer_step(model, opt, idx, tgt)
+            acc["captured_step_s"] = time.perf_counter() - t0
+    finally:
+        dg.Digester._full = full  # type: ignore[method-assign]
+        se.stats_row = row
+    t0 = time.perf_counter()
+    transformer_step(model, opt, idx, tgt)
+    acc["baseline_step_s"] = time.perf_counter() - t0
+    return acc
+
+
 def peak_rss(args: argparse.Namespace, mode: str | None) -> int:
     """Peak RSS (bytes) of a fresh process running the same steps (``mode`` None: no capture)."""
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child-rss", mode or "off",
@@ -144,12 +194,16 @@ def main() -> None:
     ap.add_argument("--modes", default="full,sample,xor,none,intercept",
                     help="digest modes to time; 'intercept' = interception only (no call selected)")
     ap.add_argument("--no-rss", action="store_true")
+    ap.add_argument("--breakdown", action="store_true", help="time the digest and statistics work of one step")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--child-rss", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     args.modes = [m for m in args.modes.split(",") if m]
     if args.child_rss is not None:
         child_rss(args)
+        return
+    if args.breakdown:
+        print(json.dumps(breakdown(args), indent=1))
         return
     res = run_times(args)
     print(json.dumps(res, indent=1, default=str), flush=True)

@@ -80,6 +80,7 @@ class Session:
         self._refs: dict[tuple[Any, ...], weakref.ref[torch.Tensor]] = {}
         self.written = 0
         self._file_sizes: dict[str, int] = {}
+        self._tables_bytes = 0
         self.records = 0
         self.dropped = 0
         self.cap_reached = False
@@ -267,7 +268,7 @@ class Session:
     def _account(self, nbytes: int) -> bool:
         if self.cap_reached:
             return False
-        if self.written + sum(self._file_sizes.values()) + nbytes > self.options.max_bytes:
+        if self.written + self._tables_bytes + nbytes > self.options.max_bytes:
             self._reach_cap()
             return False
         self.written += nbytes
@@ -296,6 +297,7 @@ class Session:
         data = json.dumps(obj, indent=1, allow_nan=False).encode() + b"\n"
         write_rank_file(f"capture/{name}", data, rank=self.rank, env=self.env)
         self._file_sizes[name] = len(data)
+        self._tables_bytes = sum(self._file_sizes.values())
 
     def _write_tables(self) -> None:
         if self.sites.dirty:
