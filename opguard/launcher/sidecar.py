@@ -77,9 +77,9 @@ class SyncResult:
     def ok(self) -> bool:
         return self.exit_code == 0
 
-    def line(self) -> str:
-        """The one stderr line per sync."""
-        kind = "final drain" if self.final else f"sync #{self.number}"
+    def line(self, kind: str | None = None) -> str:
+        """The one stderr line per sync (``kind`` names it, default: final drain or sync #n)."""
+        kind = kind or ("final drain" if self.final else f"sync #{self.number}")
         r = self.report or {}
         batches = int(r.get("batches", 0))
         up = float(r.get("uploaded_bytes", 0))

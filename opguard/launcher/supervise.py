@@ -41,6 +41,11 @@ PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
 DRAIN_PROGRESS_S = 2.0
 TREE_REFRESH_S = 5.0  # the subreaper keeps orphans in the tree; the snapshot is a second net
+# After an early drain request the wrapper drains back to back until the command exits; a drain that
+# found nothing new waits this long before the next (a scan of an idle staging base costs little, and
+# a second is small next to any KillWait), a failed one waits DRAIN_RETRY_S.
+DRAIN_PAUSE_S = 1.0
+DRAIN_RETRY_S = 5.0
 
 
 @dataclass
@@ -137,7 +142,7 @@ class Supervisor:
         self.killed = False
         self.drain_requested: str | None = None  # why the final drain started
         self.final_after_exit_done = False
-        self.early_drain_started = False
+        self.next_drain: float | None = None  # after an early drain request: when the next drain starts
         self.next_sync: float | None = None
         self.next_countdown: float | None = None
         self._end_query: threading.Thread | None = None
@@ -195,8 +200,9 @@ class Supervisor:
         self._maybe_start_sync(time.monotonic())
 
     def _maybe_start_sync(self, now: float) -> None:
-        """One sync at a time: the last final drain after the child exits, an early final drain once
-        when requested, otherwise periodic syncs on the staggered schedule."""
+        """One sync at a time: the last final drain after the child exits; once a drain was
+        requested early, drains back to back while the child runs (paused only after one that found
+        nothing new); otherwise periodic syncs on the staggered schedule."""
         sc = self.sidecar
         if sc is None or sc.running is not None:
             return
@@ -205,9 +211,10 @@ class Supervisor:
                 self.final_after_exit_done = True
                 sc.start(final=True)
             return
-        if self.drain_requested is not None and not self.early_drain_started:
-            self.early_drain_started = True
-            sc.start(final=True)
+        if self.drain_requested is not None:
+            if self.next_drain is None or now >= self.next_drain:
+                self.next_drain = None
+                sc.start(final=True)
             return
         if self.next_sync is not None and now >= self.next_sync:
             assert self.config is not None
@@ -216,8 +223,14 @@ class Supervisor:
 
     def on_sync_done(self, res: SyncResult) -> None:
         last = res.final and self.child_code is not None
-        if not self.opts.quiet or not res.ok or last:
-            self.say(res.line())
+        published = int((res.report or {}).get("batches", 0))
+        early = res.final and not last
+        if early and self.child_code is None:  # keep draining: back to back while there is new data
+            now = time.monotonic()
+            self.next_drain = now if res.ok and published else now + (DRAIN_PAUSE_S if res.ok else DRAIN_RETRY_S)
+        quiet_drain = early and res.ok and not published and not self.opts.verbose  # an idle rescan
+        if (not self.opts.quiet or not res.ok or last) and not quiet_drain:
+            self.say(res.line(f"drain #{res.number} (the command still runs)" if early else None))
         self.report.add_sync(res, last)
 
     # ---- main loop ---------------------------------------------------------------------------
@@ -259,7 +272,9 @@ class Supervisor:
             while True:
                 now = time.monotonic()
                 progress = now + DRAIN_PROGRESS_S if self._draining() else None
-                timers = [t for t in (self.next_sync if self.child_code is None else None, self.next_countdown,
+                timers = [t for t in (self.next_sync if self.child_code is None and self.drain_requested is None
+                                      else None, self.next_drain if self.child_code is None else None,
+                                      self.next_countdown,
                                       progress, next_tree if self.child_code is None or self.tree.seen else None,
                                       self.kill_at, drain_deadline) if t is not None]
                 timeout = max(0.0, min(timers) - now) if timers else None

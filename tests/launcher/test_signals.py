@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
 import subprocess
+import threading
 from pathlib import Path
 
 import pytest
@@ -94,10 +96,12 @@ def test_forwarded_signals_reach_the_child(staging_env: dict[str, str], tmp_path
     p = start(env, PY, PROG, str(out), "wait", "0")
     wait_for(lambda: (out / "ready").exists(), 60, "the child to start")
     sent = [signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR2]
+    def received(n: int) -> bool:
+        return (out / "signals.txt").exists() and len((out / "signals.txt").read_text().split()) == n
+
     for i, s in enumerate(sent):
         p.send_signal(s)
-        wait_for(lambda i=i: len((out / "signals.txt").read_text().split()) == i + 1
-                 if (out / "signals.txt").exists() else False, 30, f"{s.name} at the child")
+        wait_for(functools.partial(received, i + 1), 30, f"{s.name} at the child")
     (out / "release").write_text("1")
     p.communicate(timeout=60)
     assert p.returncode == 0
@@ -122,7 +126,60 @@ def test_warning_signal_starts_drain_early_and_is_consumed(staging_env: dict[str
     assert not (out / "signals.txt").exists()
     assert "warning signal SIGUSR1" in err
     seals = sorted(seal_dir.glob("*.seal"))
-    assert len(seals) == 2  # the early drain's seal and the final one after the child exited
+    # the early drains' seals (the child kept writing, so drains ran back to back) and the final one
+    assert len(seals) >= 2
+    local = Path(env["OPGUARD_LOCAL_DUMP_BASE"]) / "ranks" / "rank-000000" / "trace.jsonl"
+    restored = restore(env, tmp_path / "restored") / "ranks" / "rank-000000" / "trace.jsonl"
+    assert restored.read_bytes() == local.read_bytes()
+
+
+def test_after_the_warning_drains_run_back_to_back_and_seal_only_new_data(staging_env: dict[str, str],
+                                                                            tmp_path: Path) -> None:
+    """After USR1 the wrapper keeps draining until the command exits (the periodic interval is an
+    hour here, so only continuous drains can publish); drains that find nothing new write no seal."""
+    out = tmp_path / "out"
+    env = {**staging_env, "OPGUARD_LOCAL_DUMP_SYNC_INTERVAL": "3600"}
+    p = start(env, "--verbose", PY, PROG, str(out), "wait", "0")
+    lines: list[str] = []
+    stderr = p.stderr
+    assert stderr is not None
+
+    def read() -> None:
+        lines.extend(iter(stderr.readline, ""))
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    wait_for(lambda: (out / "ready").exists(), 60, "the child to start")
+    seal_dir = Path(env["OPGUARD_LOCAL_DUMP_TARGET"]) / ".opguard-bundles" / "streams" / "rank-000000"
+
+    def seals() -> list[Path]:
+        return sorted(seal_dir.glob("*.seal")) if seal_dir.exists() else []
+
+    def drain_starts() -> int:
+        return sum(1 for x in list(lines) if x.startswith("opguard-run: starting sync") and "--final" in x)
+
+    p.send_signal(signal.SIGUSR1)
+    # the child writes all the time: every drain publishes something new and seals it
+    wait_for(lambda: len(seals()) >= 3, 90, "three seals from back-to-back drains while the command runs")
+    assert pid_alive(int((out / "child.pid").read_text()))
+    (out / "pause").write_text("1")
+    wait_for(lambda: (out / "paused").exists(), 30, "the child to stop writing")
+    after_pause = drain_starts()
+    # the drain running at the pause may still publish; the one after it sees everything
+    wait_for(lambda: drain_starts() >= after_pause + 2, 60, "two more drains after the pause")
+    settled = len(seals())
+    wait_for(lambda: drain_starts() >= after_pause + 4, 60, "two drains that find nothing new")
+    assert len(seals()) == settled  # nothing new published: no extra seal
+    assert pid_alive(int((out / "child.pid").read_text()))
+    (out / "pause").unlink()
+    (out / "release").write_text("1")
+    assert p.wait(timeout=120) == 0
+    reader.join(30)
+    err = "".join(lines)
+    assert "drain complete" in err, err
+    assert len(seals()) == settled + 1  # the last final drain after the child's "released" record
+    after_warning = err.split("final drain requested (warning signal SIGUSR1)", 1)[1]
+    assert "sync #" not in after_warning  # no periodic sync after the warning: drains only
     local = Path(env["OPGUARD_LOCAL_DUMP_BASE"]) / "ranks" / "rank-000000" / "trace.jsonl"
     restored = restore(env, tmp_path / "restored") / "ranks" / "rank-000000" / "trace.jsonl"
     assert restored.read_bytes() == local.read_bytes()

@@ -6,6 +6,7 @@ usage: sigchild.py OUT_DIR MODE [EXIT_CODE]
        ignore:    ignore SIGTERM (and spawn a grandchild in its own session that ignores it too)
        orphan:    spawn a grandchild in its own session, then exit EXIT_CODE at once
        wait:      run until OUT_DIR/release exists, then exit EXIT_CODE
+                  (while OUT_DIR/pause exists it writes nothing and says so in OUT_DIR/paused)
 """
 
 import os
@@ -55,8 +56,11 @@ if mode == "orphan":
     os._exit(code)
 
 while True:
-    trace.write({"i": state["n"], "pad": "x" * 200})
-    state["n"] += 1
+    if (out / "pause").exists():
+        (out / "paused").write_text(str(state["n"]))
+    else:
+        trace.write({"i": state["n"], "pad": "x" * 200})
+        state["n"] += 1
     if state["n"] == 1:
         (out / "ready").write_text("1")
     if (out / "release").exists():
