@@ -261,9 +261,11 @@ def test_full_staging_disk_while_building_fails_cleanly(tmpfs_local_env: dict[st
     assert replay(env) == {"small.bin": b"s"} and state_leftovers(env) == []
 
 
-@pytest.mark.xfail(strict=True, reason="known gap (reported): the error names no path and no fix "
-                                       "('stream rank-000000: No space left on device ()')")
 def test_full_staging_disk_message_names_the_staging_base(tmpfs_local_env: dict[str, str]) -> None:
     r = _full_local_sync(tmpfs_local_env)
     assert r.returncode == 4
-    assert "OPGUARD_LOCAL_DUMP_BASE" in r.stderr or tmpfs_local_env["OPGUARD_LOCAL_DUMP_BASE"] in r.stderr, r.stderr
+    base = tmpfs_local_env["OPGUARD_LOCAL_DUMP_BASE"]
+    assert f"OPGUARD_LOCAL_DUMP_BASE={base}" in r.stderr, r.stderr
+    assert f"{base}/state/streams/rank-000000/pending" in r.stderr, r.stderr  # the pending directory
+    assert "errno 28" in r.stderr and "traces plus one pending batch" in r.stderr, r.stderr  # cause and fix
+    assert "changed while being read" not in r.stderr, r.stderr  # a full disk is not a torn source

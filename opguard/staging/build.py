@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from opguard.staging import crashpoints
-from opguard.staging.bundle import BatchWriter, batch_name
+from opguard.staging.bundle import BatchWriteError, BatchWriter, batch_name
 from opguard.staging.checkpoint import Checkpoint, FileRecord, Pending, save_pending
 from opguard.staging.fsutil import fsync_dir
 from opguard.staging.plan import Take
@@ -103,7 +103,9 @@ def build_batch(src: BatchSource, cp: Checkpoint, changes: Sequence[Change], del
     """Stream the selected data into ``pending/.build-*``, fsync, rename it to its final name and
     write ``pending.json`` durably (the intent, before any upload). Returns (pending, bytes taken).
 
-    Raises :class:`Torn` (the half-built file removed) when a source changed under the read.
+    Raises :class:`Torn` (the half-built file removed) when a source changed under the read, and
+    :class:`~opguard.staging.bundle.BatchWriteError` (nothing left behind) when writing the local
+    batch or ``pending.json`` failed (e.g. a full staging disk).
     """
     by_path = {c.path: c for c in changes}
     new = cp.copy()
@@ -113,7 +115,10 @@ def build_batch(src: BatchSource, cp: Checkpoint, changes: Sequence[Change], del
         "sequence": cp.next_sequence, "prev_digest": cp.head_digest, "final": final,
         "created_at": time.time(), "deleted": list(deleted)}
     pending_dir = src.state_dir / "pending"
-    pending_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        pending_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise BatchWriteError(pending_dir, e) from None
     build = pending_dir / f".build-{secrets.token_hex(6)}"
     w = BatchWriter(build, manifest)
     taken = 0
@@ -135,10 +140,20 @@ def build_batch(src: BatchSource, cp: Checkpoint, changes: Sequence[Change], del
         raise
     name = batch_name(cp.next_sequence, digest)
     new.head_digest = digest
-    os.rename(build, pending_dir / name)
-    fsync_dir(pending_dir)
-    crashpoints.hit("batch-renamed")
     pending = Pending(cp.next_sequence, name, digest, size, final, new)
-    save_pending(src.state_dir / "pending.json", pending)  # the intent is durable before any upload
+    try:
+        os.rename(build, pending_dir / name)
+    except OSError as e:
+        w.abort()
+        raise BatchWriteError(pending_dir / name, e) from None
+    try:
+        fsync_dir(pending_dir)
+        crashpoints.hit("batch-renamed")
+        save_pending(src.state_dir / "pending.json", pending)  # the intent is durable before any upload
+    except OSError as e:
+        # no pending.json names the batch: nothing was promised, do not leave it behind (a full disk)
+        (src.state_dir / "pending.json").unlink(missing_ok=True)  # none existed before this build
+        (pending_dir / name).unlink(missing_ok=True)
+        raise BatchWriteError(src.state_dir / "pending.json", e) from None
     crashpoints.hit("pending-saved")
     return pending, taken

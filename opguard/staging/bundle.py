@@ -53,6 +53,15 @@ def check_relpath(path: str) -> str:
     return path
 
 
+class BatchWriteError(Exception):
+    """Writing the batch file itself failed (not reading a source): e.g. the staging disk is full."""
+
+    def __init__(self, path: Path, error: OSError) -> None:
+        super().__init__(f"{path}: {error.strerror or error}")
+        self.path = path
+        self.error = error
+
+
 class _HashingWriter:
     """File-like sink that hashes and counts what passes through to ``f``."""
 
@@ -78,7 +87,10 @@ class BatchWriter:
         self.path = path
         self.manifest = dict(manifest)
         self.entries: list[dict[str, Any]] = []
-        self._f = open(path, "wb")  # noqa: SIM115 - closed by finish()/abort()
+        try:
+            self._f = open(path, "wb")  # noqa: SIM115 - closed by finish()/abort()
+        except OSError as e:
+            raise BatchWriteError(path, e) from None
         self._out = _HashingWriter(self._f)
         self._out.write(HEADER.pack(HEADER_MAGIC, FORMAT_VERSION, HEADER.size))
         # ZSTD_THREADS=0: compress in this thread. Worker threads (-1: one per core) buffer whole
@@ -98,7 +110,10 @@ class BatchWriter:
             if not buf:
                 raise OSError(f"source for {entry.get('path')!r} ended {left} bytes early")
             sha.update(buf)
-            self._z.write(buf)
+            try:
+                self._z.write(buf)
+            except OSError as e:  # the batch file, not the source: a caller must not take it for a torn read
+                raise BatchWriteError(self.path, e) from None
             left -= len(buf)
             if on_chunk:
                 on_chunk(len(buf))
@@ -118,7 +133,15 @@ class BatchWriter:
             self.path.unlink(missing_ok=True)
 
     def finish(self) -> tuple[str, int]:
-        """Write manifest and footer, fsync, close. Returns (sha256 of file, file size)."""
+        """Write manifest and footer, fsync, close. Returns (sha256 of file, file size).
+
+        Raises :class:`BatchWriteError` if writing, fsyncing or closing the batch file fails."""
+        try:
+            return self._finish()
+        except OSError as e:
+            raise BatchWriteError(self.path, e) from None
+
+    def _finish(self) -> tuple[str, int]:
         self._z.flush(zstandard.FLUSH_FRAME)
         payload_len = self._out.size - HEADER.size
         self.manifest.update({"format": "opguard-batch", "version": FORMAT_VERSION,

@@ -8,6 +8,7 @@ everything visible at its start and seals the stream (``final``).
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import time
@@ -21,7 +22,7 @@ import filelock
 from opguard.errors import ConfigError, IdentityError, LockTimeout, OpguardError, PublishError
 from opguard.staging import crashpoints
 from opguard.staging.build import BatchSource, Torn, build_batch
-from opguard.staging.bundle import read_manifest
+from opguard.staging.bundle import BatchWriteError, read_manifest
 from opguard.staging.checkpoint import Checkpoint, Pending, save_checkpoint
 from opguard.staging.config import StagingConfig
 from opguard.staging.fsutil import create_exclusive, dump_json, fsync_dir, read_json
@@ -169,8 +170,27 @@ def _build(ctx: _Ctx, cp: Checkpoint, changes: list[Change], deleted: list[str],
     if not plan.takes and not deleted:
         return None, plan.backlog_bytes
     src = BatchSource(ctx.root, ctx.stream, ctx.kind, ctx.rank, ctx.node_id, ctx.state)
-    pending, taken = build_batch(src, cp, use, deleted, plan.takes, final)
+    try:
+        pending, taken = build_batch(src, cp, use, deleted, plan.takes, final)
+    except BatchWriteError as e:
+        raise _local_write_error(ctx, e, limit) from None
     return pending, max(0, sum(c.size for c in use) - taken)
+
+
+def _local_write_error(ctx: _Ctx, e: BatchWriteError, limit: int) -> PublishError:
+    """Building the local batch failed: name the pending directory, the staging base and the fix."""
+    base = staging_of(ctx.config).local_base
+    what = (f"building the next batch in {ctx.pending_dir} failed: "
+            f"{e.error.strerror or e.error} (errno {e.error.errno}, {e.path}); nothing was published and "
+            "nothing half-built was kept")
+    if e.error.errno in (errno.ENOSPC, errno.EDQUOT):
+        return PublishError(
+            f"{what}: the staging disk OPGUARD_LOCAL_DUMP_BASE={base} is full",
+            f"free space on {base} (or point OPGUARD_LOCAL_DUMP_BASE at a larger node-local disk): it must hold "
+            f"the traces plus one pending batch (up to OPGUARD_SYNC_BATCH_MB={limit >> 20} MiB, or the largest "
+            "single file when one exceeds it); the next sync retries")
+    return PublishError(what, f"fix the file or directory named under OPGUARD_LOCAL_DUMP_BASE={base}; "
+                              "the next sync retries")
 
 
 def _clean_local(ctx: _Ctx, pending: Pending | None) -> None:
@@ -430,7 +450,8 @@ def sync_streams(config: StagingConfig, layout: Layout, streams: Sequence[str], 
         except OpguardError as err:
             sr.fail(err)
         except OSError as e:
-            sr.fail(PublishError(f"stream {stream}: {e.strerror or e} ({getattr(e, 'filename', None) or ''})",
+            where = e.filename or f"under OPGUARD_LOCAL_DUMP_BASE or {staging_of(config).bundles}"
+            sr.fail(PublishError(f"stream {stream}: {e.strerror or e} (errno {e.errno}, {where})",
                                  "fix the file or directory named; nothing partial was published and the next "
                                  "sync retries"))
         sr.seconds = time.monotonic() - ts
