@@ -216,13 +216,16 @@ def _rows_worker(r0: int, r1: int, part: str, seq_id: int) -> _Chunk:
 PARALLEL_MIN_OPS = 20_000
 
 
+MAX_WORKERS = 8
+
+
 def workers() -> int:
-    """Processes for the two passes: the CPUs this process may use, at most 2 (one per side)."""
+    """Processes for pass 2: the CPUs this process may use, at most MAX_WORKERS (pass 1 uses 2)."""
     try:
         n = len(os.sched_getaffinity(0))
     except AttributeError:
         n = os.cpu_count() or 1
-    return max(1, min(2, n))
+    return max(1, min(MAX_WORKERS, n))
 
 
 def _pool(n: int) -> ProcessPoolExecutor:

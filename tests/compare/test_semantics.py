@@ -114,7 +114,8 @@ def test_restored_node_sources_give_occurrence_numbers(tmp_path: Path) -> None:
     assert all(op.args["correspondence"]["basis"] == "equal-sequence" for op in a)
 
 
-def test_parallel_passes_write_the_same_view(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("n_workers", [2, 3])
+def test_parallel_passes_write_the_same_view(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, n_workers: int) -> None:
     """The two-process path (pass 1 per side, pass 2 in row ranges, parts appended) gives the same
     operations, pairs, flows and summary as the single-process path."""
     from opguard.compare import engine
@@ -134,6 +135,7 @@ def test_parallel_passes_write_the_same_view(tmp_path: Path, monkeypatch: pytest
         synth.write_rank(tmp_path / run, 0, [dict(r, seq=k) for k, r in enumerate(recs)])
     serial = compare(str(tmp_path / "a"), str(tmp_path / "b"), tmp_path / "serial.pftrace")
     monkeypatch.setattr(engine, "PARALLEL_MIN_OPS", 1)
+    monkeypatch.setattr(engine, "workers", lambda: n_workers)
     parallel = compare(str(tmp_path / "a"), str(tmp_path / "b"), tmp_path / "parallel.pftrace")
     assert serial.render().splitlines()[1:] == parallel.render().splitlines()[1:]
     es, ep = read_export(tmp_path / "serial.pftrace"), read_export(tmp_path / "parallel.pftrace")
