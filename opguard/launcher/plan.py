@@ -57,6 +57,63 @@ def stagger(identity: Identity, interval: float) -> float:
     return offset
 
 
+SLURM_DEFAULT_KILL_WAIT_S = 30.0  # only for the plan's "fits the default KillWait" line
+
+
+def wrapper_streams(identity: Identity) -> int:
+    """Streams one wrapper syncs: its owned ranks (every local rank under torchrun) plus the node stream."""
+    ranks = identity.owned_ranks()
+    n = len(ranks) if ranks is not None else (identity.local_world_size or 1)
+    return n + (1 if identity.node_duty else 0)
+
+
+def sizing(identity: Identity, config: StagingConfig, cap_mib_s: float, node_mib_s: float) -> schedule.ClusterSizing:
+    """The node's numbers at an expected data rate (``docs/sizing.md``): backlog at the warning, drain time,
+    warning to request. The job's length is unknown here: a backlog that grows (periodic syncs that do
+    not keep up) is counted for one interval only, and the plan says so."""
+    return schedule.ClusterSizing(
+        node_count=identity.node_count or 1, ranks_per_node=identity.local_world_size or 1,
+        node_bytes_per_s=node_mib_s * MIB, interval=config.sync_interval, batch_bytes=config.batch_bytes,
+        cap_mib_s=cap_mib_s, job_seconds=0.0, kill_wait=SLURM_DEFAULT_KILL_WAIT_S)
+
+
+def _warning(pf: Preflight, config: StagingConfig, cap: float, pending: int, notes: list[str]) -> dict[str, Any]:
+    """The ``--signal=B:USR1@N`` suggestion: from the expected data rate when one is given, else the
+    pending data now (usually nothing, so the 30 s floor), said so in a note."""
+    from_pending = schedule.warning_seconds(pending, cap)
+    rate = pf.expected_mib_s
+    if rate is None:
+        what = ("the 30 s floor" if from_pending <= 30 else
+                f"derived from the {pending / MIB:.1f} MiB pending now only")
+        notes.append(f"suggested_warning_seconds={from_pending} is {what} because no expected data rate was "
+                     "given: set OPGUARD_EXPECTED_MBPS to the MiB/s one node writes (all its ranks) to derive it")
+        return {"expected_mib_s": None, "suggested_warning_seconds": from_pending,
+                "suggested_warning_basis": "floor, no expected rate" if from_pending <= 30 else "pending now"}
+    sz = sizing(pf.identity, config, cap, rate)
+    warning = max(sz.warning_s, from_pending)
+    if not sz.keeps_up:
+        growth = schedule.backlog_growth_bytes_per_s(rate * MIB, config.sync_interval, config.batch_bytes, cap,
+                                                     sz.streams_per_node)
+        notes.append(
+            f"at OPGUARD_EXPECTED_MBPS={rate:g} periodic syncs fall behind by "
+            f"{growth / MIB:.3g} MiB/s (at most one batch per "
+            "stream per interval, one upload at a time at the cap): the backlog grows with the job's length and "
+            "the suggested warning covers one interval of it only; raise OPGUARD_SYNC_BATCH_MB or "
+            "OPGUARD_SYNC_MBPS, or shorten OPGUARD_LOCAL_DUMP_SYNC_INTERVAL")
+    if rate >= cap:
+        notes.append(f"OPGUARD_EXPECTED_MBPS={rate:g} is not below the cap {cap:g} MiB/s: a drain while the "
+                     "program still writes never catches up; raise OPGUARD_SYNC_MBPS")
+    if not sz.drain_fits_kill_wait:
+        notes.append(f"a drain at SIGTERM of the worst backlog ({sz.worst_backlog_bytes / MIB:.1f} MiB) takes "
+                     f"{sz.worst_drain_s:.1f} s at the cap, more than Slurm's default KillWait of "
+                     f"{SLURM_DEFAULT_KILL_WAIT_S:g} s: request the warning signal (#SBATCH --signal=B:USR1@{warning})")
+    return {"expected_mib_s": rate, "expected_keeps_up": sz.keeps_up,
+            "expected_backlog_at_warning_mib": round(sz.worst_backlog_bytes / MIB, 3),
+            "expected_drain_seconds_at_cap": round(sz.worst_drain_s, 3),
+            "suggested_warning_seconds": warning,
+            "suggested_warning_basis": f"expected rate {rate:g} MiB/s per node (ClusterSizing.warning_s)"}
+
+
 def build_plan(pf: Preflight, cmd: list[str]) -> dict[str, Any]:
     ident = pf.identity
     plan: dict[str, Any] = {"command": cmd, "identity": ident.as_dict(), "exports": ident.exports(),
@@ -86,23 +143,27 @@ def build_plan(pf: Preflight, cmd: list[str]) -> dict[str, Any]:
             "node_duty": ident.node_duty,
             "streams": "rank " + ", ".join(str(r) for r in ranks) if ranks is not None else "--all",
         }
+        streams = wrapper_streams(ident)
         upload_s = schedule.upload_seconds(config.batch_bytes, caps.cap_mib_s)
+        notes = plan["identity"]["notes"]
         plan["derived"] = {
             "pending_bytes": pending,
             "drain_seconds_at_cap": round(schedule.drain_seconds(pending, caps.cap_mib_s), 3),
             "batch_upload_seconds_at_cap": round(upload_s, 3),
-            "keeps_up": schedule.keeps_up(config.sync_interval, config.batch_bytes, caps.cap_mib_s),
+            "streams": streams,
+            # a periodic sync publishes at most one batch per stream, one upload at a time at the cap
+            "keeps_up": schedule.keeps_up(config.sync_interval, streams * config.batch_bytes, caps.cap_mib_s),
             "periodic_capacity_mib_s": round(schedule.periodic_capacity_bytes_per_s(
-                config.sync_interval, config.batch_bytes, caps.cap_mib_s) / MIB, 3),
-            "suggested_warning_seconds": schedule.warning_seconds(pending, caps.cap_mib_s),
+                config.sync_interval, config.batch_bytes, caps.cap_mib_s, streams=streams) / MIB, 3),
+            **_warning(pf, config, caps.cap_mib_s, pending, notes),
         }
-        notes = plan["identity"]["notes"]
         if caps.note:
             notes.append(caps.note)
         if not plan["derived"]["keeps_up"]:
-            notes.append(f"one batch ({config.batch_bytes / MIB:g} MiB) takes {upload_s:.1f} s at "
-                         f"{caps.cap_mib_s:g} MiB/s, longer than the {config.sync_interval:g} s interval: "
-                         "periodic syncs cannot publish a full batch per interval")
+            notes.append(f"one full batch per stream ({streams} × {config.batch_bytes / MIB:g} MiB) takes "
+                         f"{streams * upload_s:.1f} s at {caps.cap_mib_s:g} MiB/s, longer than the "
+                         f"{config.sync_interval:g} s interval: periodic syncs cannot publish a full batch "
+                         "per stream per interval")
     plan["problems"] = [{"message": p.message, "fix": p.fix} for p in pf.problems]
     plan["ok"] = pf.ok
     return plan

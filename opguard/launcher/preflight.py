@@ -6,6 +6,7 @@ after every check has passed). Problems are :class:`~opguard.errors.ConfigError`
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import shutil
@@ -36,6 +37,7 @@ class Preflight:
     problems: list[ConfigError] = field(default_factory=list)
     local_fstype: str | None = None
     free_bytes: int | None = None
+    expected_mib_s: float | None = None  # OPGUARD_EXPECTED_MBPS: new data per node, for the plan's sizing
 
     @property
     def ok(self) -> bool:
@@ -57,6 +59,26 @@ def load_config(env: Mapping[str, str]) -> tuple[StagingConfig | None, list[Conf
                 return None, problems
             del work[var]  # look past it: the default stands in while we check the rest
     return None, problems
+
+
+EXPECTED_RATE_VAR = "OPGUARD_EXPECTED_MBPS"
+
+
+def expected_rate(env: Mapping[str, str]) -> tuple[float | None, ConfigError | None]:
+    """``OPGUARD_EXPECTED_MBPS``: MiB/s of new trace data one node writes (all its ranks together).
+    Optional; the plan derives the warning time from it. Unset or empty: None."""
+    raw = env.get(EXPECTED_RATE_VAR, "").strip()
+    if not raw:
+        return None, None
+    fix = (f"set {EXPECTED_RATE_VAR} to the MiB/s of trace data one node writes, all its ranks together "
+           f"(a number > 0, e.g. 20), or unset it")
+    try:
+        value = float(raw)
+    except ValueError:
+        return None, ConfigError(f"{EXPECTED_RATE_VAR}={raw!r} is not a number", fix)
+    if not math.isfinite(value) or value <= 0:
+        return None, ConfigError(f"{EXPECTED_RATE_VAR}={raw!r} must be a finite number > 0", fix)
+    return value, None
 
 
 def _probe_writable(base: Path) -> str | None:
@@ -146,6 +168,9 @@ def run_preflight(cmd: Sequence[str], env: Mapping[str, str] | None = None, *, m
     identity, id_problems = resolve(env, cmd, hostname)
     config, problems = load_config(env)
     pf = Preflight(config, identity, [*problems, *id_problems])
+    pf.expected_mib_s, rate_problem = expected_rate(env)
+    if rate_problem is not None:
+        pf.problems.append(rate_problem)
     pf.problems.extend(check_command(cmd, env))
     if config is not None and config.enabled:
         _staging_checks(pf, config, mountinfo)

@@ -201,3 +201,61 @@ def test_lost_checkpoint_of_a_published_run(staging_env: dict[str, str], tmp_pat
     shutil.rmtree(Path(staging_env["OPGUARD_LOCAL_DUMP_BASE"]) / "state" / "streams" / "rank-000000")
     refused(staging_env, tmp_path, "already has 1 batch(es) on the target", "no local checkpoint",
             "restore the staging directory or choose a new run ID")
+
+
+def _plan(env: dict[str, str], *cmd: str) -> tuple[dict[str, object], str]:
+    r = run_wrapper(["--plan", "--json", *cmd], env)
+    assert r.returncode == 0, r.stderr
+    plan = json.loads(r.stdout)
+    assert isinstance(plan, dict)
+    return plan, r.stderr
+
+
+def test_plan_warning_without_a_rate_is_called_a_floor(staging_env: dict[str, str]) -> None:
+    plan, err = _plan(staging_env, PY, "app.py")
+    derived = plan["derived"]
+    assert isinstance(derived, dict)
+    assert derived["suggested_warning_seconds"] == 30 and derived["expected_mib_s"] is None
+    assert derived["streams"] == 2  # rank 0 and the node stream (node duty)
+    assert "is the 30 s floor because no expected data rate was given" in err
+    assert "OPGUARD_EXPECTED_MBPS" in err
+
+
+def test_plan_warning_from_the_expected_rate(staging_env: dict[str, str]) -> None:
+    """20 MiB/s per node, 60 s interval, 256 MiB batches, 32 MiB/s cap (docs/slurm.md's example):
+    two streams publish at most 2 × 256 MiB per minute (8.5 MiB/s), so the backlog at the warning is
+    one interval (1200 MiB) plus a batch in flight = 1456 MiB; an early drain while 20 MiB/s keep
+    coming takes 1456 / (32 − 20) = 121.3 s, above 1.5 × 1456 / 32 = 68.3 s: 122 s."""
+    env = {**staging_env, "OPGUARD_LOCAL_DUMP_SYNC_INTERVAL": "60", "OPGUARD_SYNC_MBPS": "32",
+           "OPGUARD_EXPECTED_MBPS": "20"}
+    plan, err = _plan(env, PY, "app.py")
+    d = plan["derived"]
+    assert isinstance(d, dict)
+    assert d["expected_mib_s"] == 20 and d["expected_keeps_up"] is False
+    assert d["expected_backlog_at_warning_mib"] == 1456.0
+    assert d["suggested_warning_seconds"] == 122
+    assert "periodic syncs fall behind by 11.5 MiB/s" in err
+    assert "more than Slurm's default KillWait" in err and "--signal=B:USR1@122" in err
+    assert "floor because no expected data rate" not in err
+    # a rate the syncs keep up with: one interval of data, drained at the cap: 120 MiB / 32 MiB/s -> floor
+    plan, err = _plan({**env, "OPGUARD_EXPECTED_MBPS": "2"}, PY, "app.py")
+    d = plan["derived"]
+    assert isinstance(d, dict)
+    assert d["expected_keeps_up"] is True and d["suggested_warning_seconds"] == 30
+    assert "expected rate 2 MiB/s" in str(d["suggested_warning_basis"])
+
+
+def test_plan_torchrun_counts_every_local_rank_as_a_stream(staging_env: dict[str, str]) -> None:
+    env = {**staging_env, "OPGUARD_SYNC_BATCH_MB": "1", "OPGUARD_SYNC_MBPS": "1000"}
+    plan, _err = _plan(env, "torchrun", "--standalone", "--nproc-per-node=4", "app.py")
+    d = plan["derived"]
+    assert isinstance(d, dict)
+    assert d["streams"] == 5  # four ranks and the node stream
+    assert d["periodic_capacity_mib_s"] == pytest.approx(5 / 2, abs=1e-3)  # 5 × 1 MiB per 2 s interval
+
+
+@pytest.mark.parametrize("value", ["fast", "0", "-3", "nan", "inf"])
+def test_bad_expected_rate_is_refused(staging_env: dict[str, str], tmp_path: Path, value: str) -> None:
+    env = {**staging_env, "OPGUARD_EXPECTED_MBPS": value}
+    err = refused(env, tmp_path, f"OPGUARD_EXPECTED_MBPS={value!r}")
+    assert "MiB/s of trace data one node writes" in err
