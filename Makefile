@@ -10,7 +10,7 @@ $(BIN)/python:
 
 venv: $(BIN)/python
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -e '.[dev,mpi,compare]' 'torch==2.13.0' numpy
+	$(BIN)/pip install -q -e '.[dev,mpi]' 'torch==2.13.0' numpy
 
 lint: venv
 	$(BIN)/ruff check opguard tests bench

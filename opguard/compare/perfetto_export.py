@@ -165,7 +165,7 @@ class Export:
 
 def read_export(path: Path) -> Export:
     """Parse an export with the perfetto package's protos (no trace processor needed)."""
-    from perfetto.protos.perfetto.trace import perfetto_trace_pb2 as pb  # type: ignore[import-untyped]
+    from perfetto.protos.perfetto.trace import perfetto_trace_pb2 as pb
 
     try:
         trace = pb.Trace.FromString(path.read_bytes())

@@ -10,7 +10,7 @@ from __future__ import annotations
 import struct
 from typing import Any
 
-from perfetto.protos.perfetto.trace import perfetto_trace_pb2 as pb  # type: ignore[import-untyped]
+from perfetto.protos.perfetto.trace import perfetto_trace_pb2 as pb
 
 VARINT, I64, LEN = 0, 1, 2
 
