@@ -185,3 +185,18 @@ def test_run_json_temporary_left_after_the_link_is_removed(staging_env: dict[str
     w.step()
     w.normal_sync()  # asserts that nothing of the crash is left
     assert not orphan.exists() and (w.local / "state" / "run.json").is_file()
+
+
+def test_restore_of_a_target_holding_only_a_temporary_says_nothing_was_published(
+        staging_env: dict[str, str], tmp_path: Path) -> None:
+    World(staging_env, seed=97)
+    r = sync_crashing_at(staging_env, "exclusive-tmp-written#1")  # killed while creating format.json
+    assert r.returncode == KILLED, r.stderr
+    target = Path(staging_env["OPGUARD_LOCAL_DUMP_TARGET"])
+    assert [n.startswith(".tmp-format.json.") for n in os.listdir(target / ".opguard-bundles")] == [True]
+    for args in (("materialize", str(target), str(tmp_path / "out")), ("verify", str(target))):
+        r = opguard(staging_env, *args)
+        assert r.returncode == 5, r.stderr  # a restore of nothing never looks like success
+        assert f"nothing has been published to {target} yet" in r.stderr, r.stderr
+        assert "only 1 temporary file(s)" in r.stderr and "opguard sync --all --final" in r.stderr, r.stderr
+    assert not (tmp_path / "out").exists() and [p for p in tmp_path.iterdir() if "partial" in p.name] == []

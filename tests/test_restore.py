@@ -12,7 +12,7 @@ import pytest
 
 from opguard.errors import ConfigError, IntegrityError
 from opguard.staging.bundle import FOOTER, HEADER
-from opguard.staging.restore import DamagedSource, materialize, rename_noreplace, verify
+from opguard.staging.restore import DamagedSource, NothingPublished, materialize, rename_noreplace, verify
 from tests.test_restore_support import (
     add_batch,
     batches,
@@ -250,6 +250,19 @@ def test_no_opguard_data_is_a_config_error(tmp_path: Path) -> None:
     (tmp_path / "src" / "random.txt").write_text("x")
     with pytest.raises(ConfigError, match="no opguard data"):
         verify(tmp_path / "src")
+
+
+def test_target_with_nothing_published_is_an_error_saying_so(tmp_path: Path) -> None:
+    src = make_target(tmp_path / "shared")  # format.json only: killed before any stream
+    with pytest.raises(NothingPublished, match="holds format.json .* but no stream"):
+        verify(src)
+    stream_dir(src, R0).mkdir(parents=True)  # a stream directory, no batch, no seal
+    r = cli("materialize", str(src), str(tmp_path / "out"))
+    assert r.returncode == 5 and "nothing has been published" in r.stderr and "no batch and no seal" in r.stderr
+    assert not (tmp_path / "out").exists() and leftovers(tmp_path) == []
+    seal(src, R0)  # a sealed empty stream is a complete run that wrote nothing: restores (empty)
+    assert materialize(src, tmp_path / "out").streams[0].status == "sealed"
+    assert files_of(tmp_path / "out") == {}
 
 
 def test_temporaries_ignored_and_unexpected_files_reported(tmp_path: Path) -> None:

@@ -141,6 +141,17 @@ class DamagedSource(IntegrityError):
         self.report = report
 
 
+class NothingPublished(IntegrityError):
+    """SOURCE is a run's target but holds no published stream yet (exit 5: the data is missing)."""
+
+    def __init__(self, source: Path, what: str) -> None:
+        super().__init__(
+            f"nothing has been published to {source} yet: {what}; there is nothing to restore",
+            "wait for the run's first sync (every OPGUARD_LOCAL_DUMP_SYNC_INTERVAL seconds), or run "
+            "`opguard sync --all --final` on each node whose staging directory (OPGUARD_LOCAL_DUMP_BASE) still "
+            "exists; if the job has ended and its staging directories are gone, none of its data can be restored")
+
+
 def damaged(stream: str, what: str, fix: str = _FIX_DAMAGED) -> IntegrityError:
     return IntegrityError(f"stream {stream} is damaged: {what}", fix)
 
@@ -260,6 +271,12 @@ def detect(source: Path) -> str:
                 f"{source} holds both {BUNDLES_DIRNAME}/ and legacy snapshot archives "
                 f"(e.g. {snapshots[0]}): the formats are never mixed in one run",
                 "copy the sync.tar.gz files to another directory and restore each format separately")
+        names = os.listdir(bundles)
+        temporaries = sorted(n for n in names if n.startswith(".tmp-"))
+        if len(temporaries) == len(names):
+            held = (f"only {len(temporaries)} temporary file(s) of a first sync that is running or was killed "
+                    f"(e.g. {bundles / temporaries[0]})" if temporaries else "nothing")
+            raise NothingPublished(source, f"{bundles} holds {held}, no format.json and no batch")
         if (bundles / "format.json").exists() or (bundles / "format.json").is_symlink():
             return FORMAT_V2
         if find_v1_owners(bundles):
@@ -536,9 +553,15 @@ def _run_v2(source: Path, tree: Tree, report: VerifyReport, progress: Progress |
     run_id = _read_format(bundles)
     report.run_id = run_id
     streams = _list_streams(bundles, report)
+    if not streams:
+        raise NothingPublished(source, f"{bundles} holds format.json (run {run_id!r}) but no stream under "
+                                       f"{bundles / 'streams'}")
     fail_fast = tree.root is not None
     for st in streams:
         _guarded(st.report, fail_fast, lambda st=st: _scan_stream(st, run_id, report))  # type: ignore[misc]
+    if all(st.report.status != DAMAGED and not st.batches and st.report.sealed_sequence is None for st in streams):
+        raise NothingPublished(source, f"its {len(streams)} stream(s) under {bundles / 'streams'} hold no batch "
+                                       "and no seal")
     if fail_fast:  # a restore refuses before doing any work; verify reports everything first
         _warn_unsealed(report)
         _require_sealed(report, require_sealed)

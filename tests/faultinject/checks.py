@@ -10,7 +10,7 @@ from pathlib import Path
 
 from opguard.staging.bundle import parse_batch_name, verify_batch
 from opguard.staging.crashpoints import ENV
-from opguard.staging.restore import verify
+from opguard.staging.restore import NothingPublished, verify
 from tests.conftest import BIN
 
 KILLED = -signal.SIGKILL
@@ -71,8 +71,12 @@ class TargetChecker:
         A crash before ``format.json`` exists published nothing: then there must be no stream either."""
         if not (bundles(self.env) / "format.json").exists():
             assert not (bundles(self.env) / "streams").exists(), "streams/ exists without format.json"
-            return
-        verify(Path(self.env["OPGUARD_LOCAL_DUMP_TARGET"]))
+            if not bundles(self.env).exists():
+                return  # killed before the target was touched
+        try:
+            verify(Path(self.env["OPGUARD_LOCAL_DUMP_TARGET"]))
+        except NothingPublished:  # a crash before the first batch or seal: there must be none
+            assert not list(bundles(self.env).glob("streams/*/[0-9]*")), "a batch or seal that verify did not see"
 
 
 def state_leftovers(env: dict[str, str]) -> list[str]:
