@@ -254,7 +254,7 @@ def test_no_opguard_data_is_a_config_error(tmp_path: Path) -> None:
 
 def test_target_with_nothing_published_is_an_error_saying_so(tmp_path: Path) -> None:
     src = make_target(tmp_path / "shared")  # format.json only: killed before any stream
-    with pytest.raises(NothingPublished, match="holds format.json .* but no stream"):
+    with pytest.raises(NothingPublished, match=r"holds format\.json .* but no stream"):
         verify(src)
     stream_dir(src, R0).mkdir(parents=True)  # a stream directory, no batch, no seal
     r = cli("materialize", str(src), str(tmp_path / "out"))
