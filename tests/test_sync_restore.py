@@ -133,3 +133,31 @@ def test_final_seals_an_empty_stream(staging_env: dict[str, str], tmp_path: Path
     doc = json.loads(seal.read_text())
     assert (doc["last_sequence"], doc["last_digest"], doc["stream"]) == (0, None, "rank-000004")
     assert opguard(env, "verify", str(target), "--require-sealed").returncode == 0
+
+
+def test_file_replaced_by_a_directory_and_back_latest_wins(staging_env: dict[str, str], tmp_path: Path) -> None:
+    """docs/format.md §8: a path that was a file and later a directory (or the reverse) restores as the
+    later one; the older one is left out and named on stderr; verify reports the same."""
+    env = staging_env
+    root = rank_dir(env)
+    write_file_atomic(root / "a", b"old file a")
+    write_file_atomic(root / "d" / "x.pt", b"x")
+    write_file_atomic(root / "d" / "y.pt", b"y")
+    sync(env)
+    (root / "a").unlink()
+    write_file_atomic(root / "a" / "b.pt", b"new a/b")  # the file a became a directory a/
+    for p in ("x.pt", "y.pt"):
+        (root / "d" / p).unlink()
+    (root / "d").rmdir()
+    write_file_atomic(root / "d", b"d is a file now")  # the directory d/ became a file d
+    sync(env, "--final")
+    target = Path(env["OPGUARD_LOCAL_DUMP_TARGET"])
+    r = opguard(env, "materialize", "--require-sealed", str(target), str(tmp_path / "out"))
+    assert r.returncode == 0, r.stderr
+    got = tree_of(tmp_path / "out" / "ranks" / "rank-000000")
+    assert got == {"a/b.pt": b"new a/b", "d": b"d is a file now"}
+    assert "leaves out the older file 'ranks/rank-000000/a'" in r.stderr, r.stderr
+    assert ("leaves out the older directory with its 2 file(s) ('ranks/rank-000000/d/x.pt', "
+            "'ranks/rank-000000/d/y.pt')") in r.stderr, r.stderr
+    r = opguard(env, "verify", "--require-sealed", str(target))
+    assert r.returncode == 0 and r.stderr.count("the latest wins") == 2, r.stderr

@@ -159,43 +159,74 @@ def damaged(stream: str, what: str, fix: str = _FIX_DAMAGED) -> IntegrityError:
 # ---- the tree being restored (or, with root None, only simulated) --------------------------------
 
 class Tree:
-    """Regular files and directories under ``root``; with ``root`` None only sizes are tracked.
+    """Regular files and directories under ``root``; with ``root`` None only simulated (same checks).
 
     Every path is checked with :func:`check_relpath`; only directories and regular files are ever
-    created, so no path can leave the root.
+    created, so no path can leave the root. A path that was a file and later a directory (or the
+    reverse: the producer deleted one and created the other) follows the **latest wins** rule of
+    ``docs/format.md`` §8: the older file, or the older directory with every file under it, is
+    left out of the result and reported through ``warn``.
     """
 
-    def __init__(self, root: Path | None) -> None:
+    def __init__(self, root: Path | None, warn: Callable[[str], None] | None = None) -> None:
         self.root = root
+        self.warn = warn or (lambda _msg: None)
         self.sizes: dict[str, int] = {}
+        self.dirs: set[str] = set()  # every directory holding a restored file or made by mkdir
         self.meta: dict[str, tuple[int | None, int | None]] = {}
 
     def size(self, rel: str) -> int | None:
         return self.sizes.get(rel)
 
-    def _file(self, rel: str) -> Path:
-        assert self.root is not None
-        check_relpath(rel)
-        path = self.root / rel
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-        except (FileExistsError, NotADirectoryError):
-            raise IntegrityError(f"cannot restore {rel!r}: a parent of it was restored as a file",
-                                 "the source holds both a file and a directory of that name") from None
-        if path.is_dir():
-            raise IntegrityError(f"cannot restore {rel!r}: it was restored as a directory",
-                                 "the source holds both a file and a directory of that name")
-        return path
+    def _make_parents(self, rel: str) -> None:
+        """Register (and create) the directories above ``rel``, replacing older files in the way."""
+        parent = rel.rpartition("/")[0]
+        if not parent or parent in self.dirs:
+            return  # invariant: every ancestor of a registered directory is a registered directory
+        parts = parent.split("/")
+        for k in range(1, len(parts) + 1):
+            d = "/".join(parts[:k])
+            if d in self.sizes:
+                self._drop_file(d, f"{rel!r}")
+            self.dirs.add(d)
+        if self.root is not None:
+            (self.root / parent).mkdir(parents=True, exist_ok=True)
+
+    def _drop_file(self, old: str, new: str) -> None:
+        """``new``: what the later directory holds, for the report."""
+        del self.sizes[old]
+        self.meta.pop(old, None)
+        if self.root is not None:
+            (self.root / old).unlink()
+        self.warn(f"{old!r} was a file and later a directory holding {new} at the source: the restore keeps "
+                  f"the later directory and leaves out the older file {old!r} (docs/format.md §8: the latest "
+                  "wins; the older file stays in the published batches)")
+
+    def _drop_dir(self, old: str, new: str) -> None:
+        below = [p for p in self.sizes if p.startswith(old + "/")]
+        for p in below:
+            del self.sizes[p]
+            self.meta.pop(p, None)
+        self.dirs = {d for d in self.dirs if d != old and not d.startswith(old + "/")}
+        if self.root is not None:
+            shutil.rmtree(self.root / old)
+        shown = ", ".join(repr(p) for p in sorted(below)[:5]) + (" ..." if len(below) > 5 else "")
+        self.warn(f"{old!r} was a directory and later {new} at the source: the restore keeps the later "
+                  f"{new} and leaves out the older directory with its {len(below)} file(s) ({shown or 'none'}) "
+                  "(docs/format.md §8: the latest wins; the older files stay in the published batches)")
 
     def write(self, rel: str, chunks: Iterable[bytes], *, append: bool) -> int:
         """Replace (``append`` False) or extend ``rel`` with ``chunks``; returns bytes written."""
         check_relpath(rel)
+        self._make_parents(rel)
+        if rel in self.dirs:
+            self._drop_dir(rel, "a file")
         n = 0
         if self.root is None:
             for buf in chunks:
                 n += len(buf)
         else:
-            with open(self._file(rel), "ab" if append else "wb") as f:
+            with open(self.root / rel, "ab" if append else "wb") as f:
                 for buf in chunks:
                     f.write(buf)
                     n += len(buf)
@@ -204,15 +235,12 @@ class Tree:
 
     def mkdir(self, rel: str) -> None:
         check_relpath(rel)
+        self._make_parents(rel)
         if rel in self.sizes:
-            raise IntegrityError(f"cannot restore directory {rel!r}: it was restored as a file",
-                                 "the source holds both a file and a directory of that name")
+            self._drop_file(rel, "files")
+        self.dirs.add(rel)
         if self.root is not None:
-            try:
-                (self.root / rel).mkdir(parents=True, exist_ok=True)
-            except (FileExistsError, NotADirectoryError):
-                raise IntegrityError(f"cannot restore directory {rel!r}: a file of that name was restored",
-                                     "the source holds both a file and a directory of that name") from None
+            (self.root / rel).mkdir(exist_ok=True)
 
     def set_meta(self, rel: str, mode: int | None, mtime_ns: int | None) -> None:
         self.meta[rel] = (mode, mtime_ns)
@@ -649,7 +677,7 @@ def verify(source: Path, *, require_sealed: bool = False, progress: Progress | N
     """
     source = Path(os.path.abspath(source))
     report = VerifyReport(str(source))
-    _run(source, Tree(None), report, require_sealed, progress)
+    _run(source, Tree(None, report.warn), report, require_sealed, progress)
     return report
 
 
@@ -673,7 +701,7 @@ def materialize(source: Path, dest: Path, *, require_sealed: bool = False,
     partial = parent / f"{dest.name}.opguard-partial-{secrets.token_hex(6)}"
     partial.mkdir()
     try:
-        _run(source, Tree(partial), report, require_sealed, progress)
+        _run(source, Tree(partial, report.warn), report, require_sealed, progress)
         fsync_dir(partial)
         rename_noreplace(partial, dest)
         fsync_dir(parent)
