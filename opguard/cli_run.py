@@ -12,12 +12,16 @@ import os
 import signal
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
 from opguard.cli import main
 from opguard.errors import ConfigError
 from opguard.launcher.mounts import MOUNTINFO
+
+if TYPE_CHECKING:
+    from opguard.launcher.preflight import Preflight
 
 DEFAULT_FORWARD = "TERM,INT,HUP,QUIT,USR2"
 
@@ -116,8 +120,9 @@ def _run(cmd: list[str], plan_only: bool, as_json: bool, quiet: bool, verbose: b
         return 0 if pf.ok else 2
     if not pf.ok:
         click.echo(render(build_plan(pf, cmd)) if verbose else _problems_text(pf.problems), err=True)
-        click.echo("opguard-run: refusing to start the command (exit 2); nothing was written to shared storage",
-                   err=True)
+        wrote = _record_node_id_conflicts(pf)
+        click.echo("opguard-run: refusing to start the command (exit 2); nothing was written to shared storage"
+                   + (" but the conflict marker" if wrote else ""), err=True)
         return 2
     from opguard.launcher.supervise import Options, run
 
@@ -127,6 +132,24 @@ def _run(cmd: list[str], plan_only: bool, as_json: bool, quiet: bool, verbose: b
     if verbose:  # the derived numbers walk the staged files: only when asked
         click.echo(render(build_plan(pf, cmd)), err=True)
     return run(cmd, pf, opts)
+
+
+def _record_node_id_conflicts(pf: Preflight) -> bool:
+    """A node ID claimed by another machine: leave a conflict marker beside the claim, so the machine
+    that claimed it first stops too (``docs/format.md`` §5.3). True if one was written."""
+    from opguard.launcher.claim import NodeIdConflict, record_conflict
+
+    target = pf.config.target if pf.config is not None else None
+    for p in pf.problems:
+        if isinstance(p, NodeIdConflict) and target is not None:
+            path = record_conflict(target, p, pf.identity.node_id)
+            if path is not None:
+                click.echo(f"opguard-run: recorded the node ID conflict at {path}: the machine that claimed it "
+                           "first stops before it uploads anything", err=True)
+                return True
+            click.echo("opguard-run: could not record the node ID conflict on the target: the machine that "
+                       "claimed it first may keep running; stop the job", err=True)
+    return False
 
 
 def _problems_text(problems: list[ConfigError]) -> str:

@@ -2,13 +2,17 @@
 
 A claim ``TARGET/.opguard-bundles/nodes/<node ID>.json`` is created once, with create-if-absent
 semantics, before anything is uploaded; a claim by another machine (different hostname or
-machine ID) means two machines use one node ID and is refused. The node-duty lock
+machine ID) means two machines use one node ID and is refused. The refused claimant records a
+conflict marker ``nodes/<node ID>.conflicts/<host>-<pid>-<ns>.json`` so that the first claimant,
+whose syncs look for one before uploading, stops too (``docs/format.md`` §5.3). The node-duty lock
 (``state/locks/node-duty.lock``) makes a second metadata uploader on one local base visible.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import re
 import socket
 import time
 from pathlib import Path
@@ -39,8 +43,26 @@ def boot_id() -> str:
     return _read_first_line("/proc/sys/kernel/random/boot_id")
 
 
+# A conflict marker counts for a wrapper only if recorded after the wrapper started, less this much
+# clock difference between nodes (NTP keeps cluster clocks within milliseconds); an older marker is
+# left from an earlier job that used this target, and one with another SLURM_JOB_ID is ignored too.
+CLOCK_SKEW_S = 10.0
+
+
+class NodeIdConflict(ConfigError):
+    """The node ID is claimed on the target by another machine (exit 2, like every ConfigError)."""
+
+    def __init__(self, message: str, fix: str, claim: dict[str, object]) -> None:
+        super().__init__(message, fix)
+        self.claim = claim
+
+
 def claim_path(target: Path, node_id: str) -> Path:
     return target / BUNDLES_DIRNAME / "nodes" / f"{node_id}.json"
+
+
+def conflicts_dir(target: Path, node_id: str) -> Path:
+    return target / BUNDLES_DIRNAME / "nodes" / f"{node_id}.conflicts"
 
 
 def claim_record(node_id: str, run_id: str) -> dict[str, object]:
@@ -54,11 +76,12 @@ def _conflict(path: Path, existing: object, node_id: str) -> ConfigError | None:
     mine = (socket.gethostname(), machine_id())
     theirs = (existing.get("hostname"), existing.get("machine_id"))
     if theirs != mine:
-        return ConfigError(
+        return NodeIdConflict(
             f"node ID {node_id!r} is already claimed on the target by another machine "
             f"(hostname {theirs[0]!r}, machine-id {theirs[1]!r}; this is {mine[0]!r}, {mine[1]!r}): "
             f"two machines would upload as one node ({path})",
-            "give every node a unique OPGUARD_NODE_ID (or unset it to use the scheduler's node name)")
+            "give every node a unique OPGUARD_NODE_ID (or unset it to use the scheduler's node name)",
+            existing)
     return None
 
 
@@ -88,6 +111,67 @@ def make_claim(config: StagingConfig, node_id: str) -> bool:
     if err is not None:
         raise err
     return False
+
+
+def _job_id() -> str | None:
+    return os.environ.get("SLURM_JOB_ID") or None
+
+
+def record_conflict(target: Path, err: NodeIdConflict, node_id: str) -> Path | None:
+    """The refused claimant's marker (create-if-absent, never overwritten), naming the claim it
+    collided with; None if it could not be written (the refusal stands; the caller says so)."""
+    host = re.sub(r"[^A-Za-z0-9._-]", "-", socket.gethostname()).lstrip(".")[:64] or "host"
+    d = conflicts_dir(target, node_id)
+    path = d / f"{host}-{os.getpid()}-{time.time_ns()}.json"
+    doc = {"version": 1, "node_id": node_id, "hostname": socket.gethostname(), "machine_id": machine_id(),
+           "boot_id": boot_id(), "pid": os.getpid(), "job_id": _job_id(), "recorded_at": time.time(),
+           "claim": {k: err.claim.get(k) for k in ("hostname", "machine_id", "boot_id", "claimed_at")}}
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+        return path if create_exclusive(path, dump_json(doc)) else None
+    except OSError:
+        return None
+
+
+def find_conflicts(target: Path, node_id: str, since: float) -> list[dict[str, object]]:
+    """Conflict markers that concern this wrapper's claim: they name a claim by this machine, were
+    recorded after ``since`` (the wrapper's start, wall clock) less ``CLOCK_SKEW_S``, and carry
+    this job's SLURM_JOB_ID when both know one. One stat when there is none (the usual case)."""
+    d = conflicts_dir(target, node_id)
+    try:
+        names = sorted(os.listdir(d))
+    except FileNotFoundError:
+        return []
+    mine = (socket.gethostname(), machine_id())
+    job = _job_id()
+    found = []
+    for name in names:
+        if not name.endswith(".json") or name.startswith("."):
+            continue
+        try:
+            doc = json.loads((d / name).read_bytes())
+        except (OSError, ValueError):
+            continue  # being created by its writer (create-if-absent: it appears whole) or unreadable
+        if not isinstance(doc, dict):
+            continue
+        claim = doc.get("claim")
+        if not isinstance(claim, dict) or (claim.get("hostname"), claim.get("machine_id")) != mine:
+            continue
+        if float(doc.get("recorded_at", 0.0)) < since - CLOCK_SKEW_S:
+            continue
+        if job is not None and doc.get("job_id") not in (None, job):
+            continue
+        found.append(doc)
+    return found
+
+
+def conflict_message(node_id: str, markers: list[dict[str, object]], path: Path) -> ConfigError:
+    hosts = sorted({str(m.get("hostname")) for m in markers})
+    return ConfigError(
+        f"node ID {node_id!r} is also used by {len(hosts)} other machine(s) of this job ({', '.join(hosts)}), "
+        f"which were refused ({path}): this node claimed it first, but two machines would upload as one node; "
+        "nothing was uploaded, and the command is stopped",
+        "give every node a unique OPGUARD_NODE_ID (or unset it to use the scheduler's node name)")
 
 
 def _duty_conflict(layout: Layout) -> ConfigError:
@@ -126,3 +210,24 @@ def node_duty_problem(layout: Layout) -> ConfigError | None:
         return None
     lock.release()
     return None
+
+
+def check_before_sync(argv: list[str]) -> None:
+    """In the sync child, before ``opguard sync`` runs: ``argv[1]`` is the wrapper's start (wall
+    clock), removed here. On a conflict marker for this node ID, the sync writes its report with
+    ``node_id_conflict`` (the wrapper stops on it), prints the message and exits 2 without uploading."""
+    since = float(argv.pop(1))
+    node_id = os.environ.get("OPGUARD_NODE_ID")
+    target = os.environ.get("OPGUARD_LOCAL_DUMP_TARGET")
+    if not node_id or not target:
+        return
+    found = find_conflicts(Path(target), node_id, since)
+    if not found:
+        return
+    err = conflict_message(node_id, found, conflicts_dir(Path(target), node_id))
+    if "--report-json" in argv:
+        report = Path(argv[argv.index("--report-json") + 1])
+        report.write_bytes(dump_json({"node_id_conflict": err.message, "fix": err.fix, "batches": 0,
+                                      "uploaded_bytes": 0, "streams": []}))
+    os.write(2, f"opguard sync: error: {err}\n".encode())
+    raise SystemExit(err.exit_code)

@@ -40,6 +40,7 @@ class RunReport:
     signals: list[dict[str, Any]] = field(default_factory=list)
     drain_reason: str | None = None
     drain_timed_out: bool = False
+    error: str | None = None  # what made the wrapper stop the command (a node ID conflict)
     syncs: int = 0
     sync_failures: int = 0
     uploaded_bytes: int = 0
@@ -77,7 +78,7 @@ class RunReport:
                 "started_at": self.started_at, "ended_at": time.time(), "child_pid": self.child_pid,
                 "child_returncode": self.child_returncode, "exit_code": self.exit_code, "killed": self.killed,
                 "signals": self.signals, "syncs": self.syncs, "sync_failures": self.sync_failures,
-                "uploaded_bytes": self.uploaded_bytes, "drain": self.drain()}
+                "uploaded_bytes": self.uploaded_bytes, "drain": self.drain(), "error": self.error}
 
     def summary(self, staging: bool) -> str:
         code = f"exit {self.exit_code}"

@@ -23,12 +23,15 @@ import psutil
 from opguard.launcher.identity import Identity
 from opguard.staging.units import format_bytes
 
-_ENTRY = "import sys; sys.argv[0] = 'opguard'; from opguard.cli import main; main()"
+# claim.check_before_sync takes the wrapper's start time (argv[1]) and stops on a node ID conflict
+_ENTRY = ("import sys; from opguard.launcher.claim import check_before_sync; check_before_sync(sys.argv); "
+          "sys.argv[0] = 'opguard'; from opguard.cli import main; main()")
 
 
-def sync_argv(identity: Identity, final: bool, report: Path) -> list[str]:
-    """The ``opguard sync`` command for the streams this wrapper owns."""
-    args = [sys.executable, "-c", _ENTRY, "sync"]
+def sync_argv(identity: Identity, final: bool, report: Path, started_at: float = 0.0) -> list[str]:
+    """The ``opguard sync`` command for the streams this wrapper owns (``started_at``: the wrapper's
+    start, wall clock, for the conflict check)."""
+    args = [sys.executable, "-c", _ENTRY, repr(started_at), "sync"]
     ranks = identity.owned_ranks()
     if ranks is None:
         args.append("--all")
@@ -76,6 +79,12 @@ class SyncResult:
     @property
     def ok(self) -> bool:
         return self.exit_code == 0
+
+    @property
+    def node_id_conflict(self) -> str | None:
+        """The conflict a sync found before uploading (``claim.check_before_sync``), if any."""
+        c = (self.report or {}).get("node_id_conflict")
+        return str(c) if c else None
 
     def line(self, kind: str | None = None) -> str:
         """The one stderr line per sync (``kind`` names it, default: final drain or sync #n)."""
@@ -130,6 +139,7 @@ class Sidecar:
     workdir: Path
     verbose: bool = False
     say: Callable[[str], None] = lambda _m: None
+    started_at: float = 0.0  # the wrapper's start (wall clock): conflict markers older than it are stale
     running: RunningSync | None = None
     results: list[SyncResult] = field(default_factory=list)
     count: int = 0
@@ -140,9 +150,9 @@ class Sidecar:
         report = Path(tempfile.mkstemp(prefix=f"sync-{self.count}-", suffix=".json", dir=self.workdir)[1])
         report.unlink()
         errpath = self.workdir / f"sync-{self.count}.stderr"
-        argv = sync_argv(self.identity, final, report)
+        argv = sync_argv(self.identity, final, report, self.started_at)
         if self.verbose:
-            self.say("opguard-run: starting " + " ".join(argv[3:]))
+            self.say("opguard-run: starting " + " ".join(argv[4:]))
         with open(errpath, "wb") as err:
             proc = subprocess.Popen(argv, env=self.env, stdin=subprocess.DEVNULL, stdout=err, stderr=err,
                                     start_new_session=True, preexec_fn=_nice_child)

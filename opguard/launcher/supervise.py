@@ -46,6 +46,11 @@ TREE_REFRESH_S = 5.0  # the subreaper keeps orphans in the tree; the snapshot is
 # a second is small next to any KillWait), a failed one waits DRAIN_RETRY_S.
 DRAIN_PAUSE_S = 1.0
 DRAIN_RETRY_S = 5.0
+# No sync starts before the settle time after the node claim: a second machine with this node ID
+# records its refusal (claim.record_conflict) after the same start-up this wrapper went through, so
+# the settle time is this wrapper's own start-up (process start to claim) plus the launcher's start
+# skew between nodes (srun and torchrun start a step's tasks together: allow LAUNCH_SKEW_S).
+LAUNCH_SKEW_S = 1.0
 
 
 @dataclass
@@ -143,6 +148,9 @@ class Supervisor:
         self.drain_requested: str | None = None  # why the final drain started
         self.final_after_exit_done = False
         self.next_drain: float | None = None  # after an early drain request: when the next drain starts
+        self.settle_until: float | None = None  # no sync before (node ID conflict markers, see LAUNCH_SKEW_S)
+        self.conflict: str | None = None  # a node ID conflict found by a sync: stop, exit 2
+        self.started_at = _process_start()
         self.next_sync: float | None = None
         self.next_countdown: float | None = None
         self._end_query: threading.Thread | None = None
@@ -204,7 +212,9 @@ class Supervisor:
         requested early, drains back to back while the child runs (paused only after one that found
         nothing new); otherwise periodic syncs on the staggered schedule."""
         sc = self.sidecar
-        if sc is None or sc.running is not None:
+        if sc is None or sc.running is not None or self.conflict is not None:
+            return
+        if self.settle_until is not None and now < self.settle_until:
             return
         if self.child_code is not None:
             if not self.final_after_exit_done:
@@ -222,6 +232,9 @@ class Supervisor:
             self.next_sync = now + self.config.sync_interval
 
     def on_sync_done(self, res: SyncResult) -> None:
+        if res.node_id_conflict is not None:
+            self._on_conflict(res)
+            return
         last = res.final and self.child_code is not None
         published = int((res.report or {}).get("batches", 0))
         early = res.final and not last
@@ -232,6 +245,23 @@ class Supervisor:
         if (not self.opts.quiet or not res.ok or last) and not quiet_drain:
             self.say(res.line(f"drain #{res.number} (the command still runs)" if early else None))
         self.report.add_sync(res, last)
+
+    def _on_conflict(self, res: SyncResult) -> None:
+        """Another machine uses this node ID: no more syncs, the command is stopped, exit 2."""
+        self.report.add_sync(res, False)
+        self.conflict = res.node_id_conflict
+        self.report.error = self.conflict
+        fix = (res.report or {}).get("fix")
+        self.say(f"opguard-run: error: {self.conflict}" + (f"\n  fix: {fix}" if fix else ""))
+        self.final_after_exit_done = True
+        self.next_sync = self.next_drain = None
+        if self.child is not None and self.child_code is None:
+            self.say(f"opguard-run: terminating the command (SIGTERM to its process group, SIGKILL after "
+                     f"{self.opts.kill_grace:g} s); the job is misconfigured")
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.child.pid, signal.SIGTERM)
+            if self.kill_at is None:
+                self.kill_at = time.monotonic() + self.opts.kill_grace
 
     # ---- main loop ---------------------------------------------------------------------------
     def run(self) -> int:
@@ -274,7 +304,8 @@ class Supervisor:
                 progress = now + DRAIN_PROGRESS_S if self._draining() else None
                 timers = [t for t in (self.next_sync if self.child_code is None and self.drain_requested is None
                                       else None, self.next_drain if self.child_code is None else None,
-                                      self.next_countdown,
+                                      self.next_countdown, self.settle_until if self.settle_until is not None
+                                      and self.settle_until > now else None,
                                       progress, next_tree if self.child_code is None or self.tree.seen else None,
                                       self.kill_at, drain_deadline) if t is not None]
                 timeout = max(0.0, min(timers) - now) if timers else None
@@ -380,7 +411,8 @@ class Supervisor:
         elif not self.killed:
             self.kill_at = None
         if self.staging and not self.opts.quiet:
-            self.say(f"opguard-run: child exited ({_describe(self.child_code)}); final drain")
+            then = "; final drain" if self.conflict is None else " (no final drain: node ID conflict)"
+            self.say(f"opguard-run: child exited ({_describe(self.child_code)}){then}")
 
     def _kill_tree(self) -> None:
         self.kill_at = None
@@ -444,18 +476,25 @@ class Supervisor:
             self.next_countdown = now + max(1.0, min(60.0, (remaining - needed) / 2))
 
     def _node_setup(self, env: dict[str, str]) -> None:
-        from opguard.launcher.claim import make_claim, take_node_duty
+        from opguard.launcher.claim import NodeIdConflict, make_claim, record_conflict, take_node_duty
         from opguard.staging.layout import Layout
 
         assert self.config is not None
         layout = Layout(self.config)
         if self.identity.node_duty:
             self._duty_lock = take_node_duty(layout)
-        make_claim(self.config, self.identity.node_id)
+        assert self.config.target is not None
+        try:
+            make_claim(self.config, self.identity.node_id)
+        except NodeIdConflict as e:  # a race lost at the claim itself (preflight saw none)
+            _say_recorded(self.say, record_conflict(self.config.target, e, self.identity.node_id))
+            raise
+        self.settle_until = time.monotonic() + max(0.0, time.time() - self.started_at) + LAUNCH_SKEW_S
         for r in self.identity.owned_ranks() or []:
             layout.rank_dir(r).mkdir(parents=True, exist_ok=True)  # the rank's stream exists from the start
         cap = effective_cap(self.config, self.identity.node_count).cap_mib_s
-        self.sidecar = Sidecar(self.identity, node_env(env, cap), self.workdir, self.opts.verbose, self.say)
+        self.sidecar = Sidecar(self.identity, node_env(env, cap), self.workdir, self.opts.verbose, self.say,
+                               started_at=self.started_at)
 
     def _node_metadata(self, env: dict[str, str]) -> None:
         """Local rank 0, right after the command started (it needs nothing from it)."""
@@ -475,7 +514,7 @@ class Supervisor:
 
     def _finish(self) -> int:
         assert self.child_code is not None
-        code = exit_status(self.child_code)
+        code = exit_status(self.child_code) if self.conflict is None else 2
         self.report.exit_code = code
         self.report.signals = self.received
         self.report.drain_reason = self.drain_requested or ("child exit" if self.staging else None)
@@ -483,7 +522,10 @@ class Supervisor:
         if path is None and self.staging:
             assert self.config is not None
             path = default_report_path(self.config, self.identity)
-        if self.staging or self.opts.verbose:
+        if self.conflict is not None:
+            self.say(f"opguard-run: stopped on a node ID conflict before uploading more; {self.report.syncs} "
+                     "sync(s); exit 2 (the command's own status is in the report)")
+        elif self.staging or self.opts.verbose:
             self.say(self.report.summary(self.staging))
         if path is not None:
             try:
@@ -495,6 +537,23 @@ class Supervisor:
                 p.unlink()
             self.workdir.rmdir()
         return code
+
+
+def _process_start() -> float:
+    """This process's start (wall clock)."""
+    try:
+        return float(psutil.Process().create_time())
+    except psutil.Error:
+        return time.time()
+
+
+def _say_recorded(say: Callable[[str], None], path: Path | None) -> None:
+    if path is not None:
+        say(f"opguard-run: recorded the node ID conflict at {path}: the machine that claimed it first stops "
+            "before it uploads anything")
+    else:
+        say("opguard-run: could not record the node ID conflict on the target: the machine that claimed it "
+            "first may keep running; stop the job")
 
 
 def _describe(returncode: int) -> str:

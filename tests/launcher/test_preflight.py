@@ -137,7 +137,14 @@ def test_node_id_claimed_by_another_machine(staging_env: dict[str, str], tmp_pat
     (nodes / "node-a.json").write_text(json.dumps({
         "version": 2, "node_id": "node-a", "hostname": "elsewhere", "machine_id": "0" * 32, "boot_id": "b",
         "run_id": "experiment-001", "claimed_at": 1.0}))
-    refused(staging_env, tmp_path, "node ID 'node-a' is already claimed", "elsewhere", "unique OPGUARD_NODE_ID")
+    # a normal run also leaves a conflict marker (tests/launcher/test_node_conflict.py); --plan writes nothing
+    target = Path(staging_env["OPGUARD_LOCAL_DUMP_TARGET"])
+    before = tree_snapshot(target)
+    r = run_wrapper(["--plan", PY, "-c", "pass"], staging_env)
+    assert r.returncode == 2
+    for needle in ("node ID 'node-a' is already claimed", "elsewhere", "unique OPGUARD_NODE_ID"):
+        assert needle in r.stderr, r.stderr
+    assert tree_snapshot(target) == before
 
 
 def test_target_of_another_run(staging_env: dict[str, str], tmp_path: Path) -> None:
