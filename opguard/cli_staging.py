@@ -44,6 +44,12 @@ def sync_cmd(ranks: tuple[int, ...], node: bool, all_: bool, final: bool, report
     config.require_staging()
     layout = Layout(config)
     node_id = current_node_id(config)
+    if config.target is not None:  # refused claimants of this node ID in this job (docs/format.md §5.3)
+        from opguard.launcher.claim import job_conflict
+
+        conflict = job_conflict(config.target, node_id)
+        if conflict is not None:
+            raise conflict
     if all_ and (ranks or node):
         raise ConfigError("--all already includes every rank and the node stream",
                           "use --all alone, or --rank/--node")

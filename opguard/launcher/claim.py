@@ -165,12 +165,23 @@ def find_conflicts(target: Path, node_id: str, since: float) -> list[dict[str, o
     return found
 
 
+def job_conflict(target: Path, node_id: str) -> ConfigError | None:
+    """For ``opguard sync`` run on its own (the exit hook, by hand): markers recorded in this Slurm job
+    (same SLURM_JOB_ID) that name a claim of this machine; without a job ID a stand-alone sync cannot
+    tell a marker of this run from an old one, and uploads (the wrapper's own syncs check by time)."""
+    job = _job_id()
+    if job is None:
+        return None
+    found = [m for m in find_conflicts(target, node_id, 0.0) if m.get("job_id") == job]
+    return conflict_message(node_id, found, conflicts_dir(target, node_id)) if found else None
+
+
 def conflict_message(node_id: str, markers: list[dict[str, object]], path: Path) -> ConfigError:
     hosts = sorted({str(m.get("hostname")) for m in markers})
     return ConfigError(
         f"node ID {node_id!r} is also used by {len(hosts)} other machine(s) of this job ({', '.join(hosts)}), "
-        f"which were refused ({path}): this node claimed it first, but two machines would upload as one node; "
-        "nothing was uploaded, and the command is stopped",
+        f"which were refused ({path}): this node claimed it first, but two machines would upload as one node, "
+        "so it uploads nothing (opguard-run also stops its command)",
         "give every node a unique OPGUARD_NODE_ID (or unset it to use the scheduler's node name)")
 
 

@@ -292,7 +292,9 @@ class Supervisor:
         now = time.monotonic()
         if self.staging:
             assert self.config is not None
-            self.next_sync = now + stagger(self.identity, self.config.sync_interval)
+            # the staggered schedule starts after the settle time, so the stagger between nodes stays whole
+            settle = max(0.0, self.settle_until - now) if self.settle_until is not None else 0.0
+            self.next_sync = now + settle + stagger(self.identity, self.config.sync_interval)
             if opts.countdown and countdown.job_id(os.environ):
                 self.next_countdown = now
         sync_fd: int | None = None

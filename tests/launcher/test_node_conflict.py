@@ -137,3 +137,30 @@ def test_two_machines_started_together_both_exit_2(staging_env: dict[str, str], 
     assert _published(staging_env) == []
     names = {p.relative_to(_bundles(staging_env)).parts[0] for p in _bundles(staging_env).rglob("*")}
     assert names == {"nodes"}, names
+
+
+def test_standalone_sync_of_the_same_job_refuses(staging_env: dict[str, str]) -> None:
+    """The exit hook's `opguard sync --all --final` on the first claimant's node uploads nothing when a
+    refused claimant of the same Slurm job left a marker; a marker of another job does not stop it."""
+    rank = Path(staging_env["OPGUARD_LOCAL_DUMP_BASE"]) / "ranks" / "rank-000000"
+    rank.mkdir(parents=True)
+    (rank / "t.jsonl").write_text('{"i": 0}\n')
+    claim = subprocess.run([OPGUARD_RUN, "--no-countdown", PY, "-c", "pass"], env=staging_env, capture_output=True,
+                           text=True, timeout=120)  # makes this machine's claim (and publishes: no marker yet)
+    assert claim.returncode == 0, claim.stderr
+    (rank / "t.jsonl").write_text('{"i": 0}\n{"i": 1}\n')
+    env = {**staging_env, "SLURM_JOB_ID": "42"}
+    _plant_marker(env, time.time(), job_id="41")
+    other = subprocess.run([str(Path(PY).parent / "opguard"), "sync", "--all", "--final"], env=env,
+                           capture_output=True, text=True, timeout=120)
+    assert other.returncode == 0, other.stderr  # another job's marker
+    published = _published(staging_env)
+    (rank / "t.jsonl").write_text('{"i": 0}\n{"i": 1}\n{"i": 2}\n')
+    (_bundles(env) / "nodes" / "node-a.conflicts" / "other-host-1-2.json").write_text(json.dumps({
+        "version": 1, "node_id": "node-a", "hostname": "other-host", "job_id": "42", "recorded_at": time.time(),
+        "claim": {"hostname": socket.gethostname(), "machine_id": _machine_id()}}))
+    r = subprocess.run([str(Path(PY).parent / "opguard"), "sync", "--all", "--final"], env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stderr
+    assert "also used by 1 other machine(s)" in r.stderr and "fix:" in r.stderr
+    assert _published(staging_env) == published

@@ -52,11 +52,19 @@ def test_misconfiguration_fails_fast_and_leaves_the_target_untouched(
         assert not marker.exists(), "the program started although the configuration was refused"
         assert not (run.target / ".opguard-bundles").exists(), _target_snapshot(run.target)
     else:
-        # Known limit (reported): the node that claims 'trainer' first runs and publishes; only the
-        # others are refused before their program starts. No batch comes from a refused node.
+        # The node that claims 'trainer' first is stopped too: the refused nodes record conflict
+        # markers beside the claim, and its syncs (none before a settle time) find one before they
+        # upload anything. Every node exits 2; no batch reaches the target.
         refused = out.count("already claimed on the target by another machine")
         assert refused == 2, out[-3000:]
-        assert len(marker.read_text().splitlines()) == 1, "a refused node started its program"
-        streams = run.target / ".opguard-bundles" / "streams"
-        published_by = {p.parent.name for p in streams.glob("*/*.ogb")} if streams.exists() else set()
-        assert len([s for s in published_by if s.startswith("rank-")]) <= 1, published_by
+        assert out.count("recorded the node ID conflict") == 2, out[-3000:]
+        # the first claimant's wrapper; the exit hook's `opguard sync` on its node refuses alike
+        assert out.count("opguard-run: error: node ID 'trainer' is also used by 2 other machine(s)") == 1, out[-3000:]
+        started = marker.read_text().splitlines() if marker.exists() else []
+        assert len(started) <= 1, "a refused node started its program"
+        bundles = run.target / ".opguard-bundles"
+        assert sorted(p.name for p in bundles.iterdir()) == ["nodes"], _target_snapshot(run.target)
+        nodes = bundles / "nodes"  # the claim and the two refused nodes' markers, nothing else
+        assert sorted(p.name for p in nodes.iterdir()) == ["trainer.conflicts", "trainer.json"], \
+            _target_snapshot(run.target)
+        assert len(list((nodes / "trainer.conflicts").glob("*.json"))) == 2, _target_snapshot(run.target)
