@@ -1,5 +1,6 @@
 """A tiny gloo DDP job for the launcher tests: each worker appends a record per step to its rank's
-trace (the rank from torchrun's RANK, resolved by opguard's writers) and writes one whole file.
+trace (the rank from torchrun's RANK, resolved by opguard's writers) and writes one whole file;
+it ends with a barrier and os._exit(0) (see the end for why).
 
 usage: ddp_app.py STEPS [OUT_DIR]   (STEPS 0: run until OUT_DIR/release exists)
 """
@@ -43,5 +44,13 @@ with open_jsonl("steps.jsonl") as trace:
             break
         if not steps:
             time.sleep(0.05)
+# Shutdown without gloo teardown: a barrier followed by the destruction of the gloo context races
+# with the peers' pairs (pytorch/gloo#155), and under load a worker then died at exit with
+# "terminate called without an active exception" (SIGABRT). After the final barrier every rank has
+# written everything (the trace is closed above, identity.json was written atomically), so each rank
+# leaves at once with os._exit: no process group destructor, no static destructors, no race; the
+# kernel closes the sockets.
 dist.barrier()
-dist.destroy_process_group()
+sys.stdout.flush()
+sys.stderr.flush()
+os._exit(0)
