@@ -112,28 +112,52 @@ def test_directory_fsync_failure_after_rename_is_recovered(staging_env: dict[str
     assert replay(env) == {"x.bin": b"x"}
 
 
-def _torn_add_stream(times: int) -> tuple[Callable[..., str], list[str]]:
+def _torn_add_bytes(times: int, root: Path) -> tuple[Callable[..., str], list[str]]:
+    """``BatchWriter.add_bytes`` (a small file is read in one ``read``) that first rewrites ``t.pt`` in place."""
+    real = BatchWriter.add_bytes
+    seen: list[str] = []
+
+    def add_bytes(self: BatchWriter, entry: dict[str, Any], data: bytes) -> str:
+        if entry["path"] == "t.pt" and len(seen) < times:
+            seen.append(entry["path"])
+            with open(root / "t.pt", "r+b") as f:  # an in-place rewrite while the uploader reads
+                f.write(b"Z")
+                f.flush()
+            os.utime(root / "t.pt", ns=(1, time.time_ns() + 10**9))
+        return real(self, entry, data)
+
+    return add_bytes, seen
+
+
+def test_large_file_changing_while_streamed_is_retried_not_published_torn(
+        staging_env: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> None:
+    env = staging_env
+    big = rank_dir(env) / "big.pt"
+    write_file_atomic(big, b"a" * (2 << 20))  # above build.SMALL_FILE: streamed in chunks
     real = BatchWriter.add_stream
     seen: list[str] = []
 
     def add_stream(self: BatchWriter, entry: dict[str, Any], src: Any, size: int, on_chunk: Any = None) -> str:
-        if entry["path"] == "t.pt" and len(seen) < times:
+        if not seen:
             seen.append(entry["path"])
-            with open(src.name, "r+b") as f:  # an in-place rewrite while the uploader reads
+            with open(big, "r+b") as f:
                 f.write(b"Z")
-                f.flush()
-            os.utime(src.name, ns=(1, time.time_ns() + 10**9))
+            os.utime(big, ns=(1, time.time_ns() + 10**9))
         return real(self, entry, src, size, on_chunk)
 
-    return add_stream, seen
+    monkeypatch.setattr(BatchWriter, "add_stream", add_stream)
+    report = run(env)
+    monkeypatch.undo()
+    assert report.exit_code == 0 and seen == ["big.pt"]
+    assert replay(env) == {"big.pt": b"Z" + b"a" * ((2 << 20) - 1)}
 
 
 def test_file_changing_while_read_is_retried_not_published_torn(staging_env: dict[str, str],
                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     env = staging_env
     write_file_atomic(rank_dir(env) / "t.pt", b"a" * 1000)
-    fn, seen = _torn_add_stream(1)
-    monkeypatch.setattr(BatchWriter, "add_stream", fn)
+    fn, seen = _torn_add_bytes(1, rank_dir(env))
+    monkeypatch.setattr(BatchWriter, "add_bytes", fn)
     report = run(env)
     monkeypatch.undo()
     assert report.exit_code == 0 and seen == ["t.pt"]
@@ -145,8 +169,8 @@ def test_file_always_changing_is_left_out_with_a_clear_error(staging_env: dict[s
     env = staging_env
     write_file_atomic(rank_dir(env) / "t.pt", b"a" * 1000)
     write_file_atomic(rank_dir(env) / "ok.pt", b"ok")
-    fn, _ = _torn_add_stream(100)
-    monkeypatch.setattr(BatchWriter, "add_stream", fn)
+    fn, _ = _torn_add_bytes(100, rank_dir(env))
+    monkeypatch.setattr(BatchWriter, "add_bytes", fn)
     report = run(env)
     monkeypatch.undo()
     err = report.streams[0].error or ""

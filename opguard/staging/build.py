@@ -44,24 +44,60 @@ class BatchSource:
     state_dir: Path  # STATE/streams/<stream>
 
 
-def add_file(w: BatchWriter, root: Path, c: Change, cp: Checkpoint) -> None:
+SMALL_FILE = 1 << 20  # read whole in one os.read and handed to the compressor as one buffer
+
+
+def add_file(w: BatchWriter, root: str, c: Change, cp: Checkpoint) -> None:
+    """Add the whole file ``root/c.path`` as one entry; :class:`Torn` if it changed while read.
+
+    Hot path for many small files (``bench/staging_bench.py files``): a raw ``os.open`` of a joined
+    string, one ``fstat`` before and one after, and for a small file one ``read`` into one buffer.
+    """
     try:
-        f = open(root / c.path, "rb")  # noqa: SIM115 (closed by the with below)
+        fd = os.open(f"{root}/{c.path}", os.O_RDONLY | os.O_CLOEXEC)
     except FileNotFoundError:
         raise Torn(c.path) from None
-    with f:
-        before = FileStat.of(os.fstat(f.fileno()))
+    try:
+        s = os.fstat(fd)
+        size = s.st_size
         entry = {"op": "file", "path": c.path, "version": c.version, "offset": 0,
-                 "mode": before.mode, "mtime_ns": before.mtime_ns}
-        try:
-            w.add_stream(entry, f, before.size)
-        except OSError:
-            raise Torn(c.path) from None
-        after = FileStat.of(os.fstat(f.fileno()))
-    if not after.same_identity(before):
+                 "mode": s.st_mode & 0o7777, "mtime_ns": s.st_mtime_ns}
+        if size <= SMALL_FILE:
+            data = _read_exactly(fd, size)
+            if data is None:
+                raise Torn(c.path)
+            w.add_bytes(entry, data)
+        else:
+            with os.fdopen(fd, "rb", closefd=False) as f:
+                try:
+                    w.add_stream(entry, f, size)
+                except OSError:
+                    raise Torn(c.path) from None
+        a = os.fstat(fd)
+    finally:
+        os.close(fd)
+    if (a.st_dev, a.st_ino, a.st_size, a.st_mtime_ns, a.st_ctime_ns) != (
+            s.st_dev, s.st_ino, size, s.st_mtime_ns, s.st_ctime_ns):
         raise Torn(c.path)  # changed while being read (a path replaced by rename is fine: new version next)
-    cp.files[c.path] = FileRecord("file", c.version, before.dev, before.ino, before.size,
-                                  before.mtime_ns, before.ctime_ns)
+    cp.files[c.path] = FileRecord("file", c.version, s.st_dev, s.st_ino, size, s.st_mtime_ns, s.st_ctime_ns)
+
+
+def _read_exactly(fd: int, size: int) -> bytes | None:
+    """``size`` bytes from ``fd``'s start, or None if the file is now shorter or longer."""
+    data = os.read(fd, size + 1)  # one more byte: a file that grew is detected here already
+    if len(data) == size:
+        return data
+    if len(data) > size:
+        return None
+    parts = [data]
+    got = len(data)
+    while got < size:  # a short read of a regular file (rare: a signal, a network filesystem)
+        more = os.read(fd, size - got + 1)
+        if not more:
+            return None
+        parts.append(more)
+        got += len(more)
+    return b"".join(parts) if got == size else None
 
 
 def add_append(w: BatchWriter, root: Path, c: Change, nbytes: int, cp: Checkpoint) -> int:
@@ -121,12 +157,13 @@ def build_batch(src: BatchSource, cp: Checkpoint, changes: Sequence[Change], del
         raise BatchWriteError(pending_dir, e) from None
     build = pending_dir / f".build-{secrets.token_hex(6)}"
     w = BatchWriter(build, manifest)
+    root = os.fspath(src.root)
     taken = 0
     try:
         for t in takes:
             c = by_path[t.item.path]
             if c.kind == "file":
-                add_file(w, src.root, c, new)
+                add_file(w, root, c, new)
                 taken += c.size
             else:
                 taken += add_append(w, src.root, c, t.nbytes, new)

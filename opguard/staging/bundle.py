@@ -123,8 +123,20 @@ class BatchWriter:
         return digest
 
     def add_bytes(self, entry: dict[str, Any], data: bytes) -> str:
-        import io
-        return self.add_stream(entry, io.BytesIO(data), len(data))
+        """Add ``data`` as one entry (one compressor call: the path for small files); returns its sha256.
+
+        ``entry`` is taken over (its ``size`` and ``sha256`` are set).
+        """
+        try:
+            self._z.write(data)
+        except OSError as e:  # the batch file, not the source
+            raise BatchWriteError(self.path, e) from None
+        digest = hashlib.sha256(data).hexdigest()
+        entry["size"] = len(data)
+        entry["sha256"] = digest
+        self.entries.append(entry)
+        self.payload_size += len(data)
+        return digest
 
     def abort(self) -> None:
         try:
@@ -163,6 +175,9 @@ class BatchInfo:
     payload_offset: int
     payload_len: int
     size: int
+
+
+NOT_ITS_DIGEST = "its content does not match the digest in its name (altered or truncated)"
 
 
 def _damaged(path: Path, what: str) -> IntegrityError:
@@ -207,57 +222,87 @@ def read_manifest(path: Path) -> BatchInfo:
     return BatchInfo(path, manifest, hlen, plen, size)
 
 
-def iter_entries(info: BatchInfo) -> Iterator[tuple[dict[str, Any], Iterator[bytes]]]:
+def iter_entries(info: BatchInfo,
+                 expected_digest: str | None = None) -> Iterator[tuple[dict[str, Any], Iterator[bytes]]]:
     """Yield (entry, chunks) in order; each entry's chunks MUST be consumed before the next.
 
-    Raises IntegrityError on any size or digest mismatch, including a truncated stream.
+    Raises IntegrityError on any size or digest mismatch, including a truncated stream. With
+    ``expected_digest``, the SHA-256 of the whole file is computed in the same pass (the file is
+    read once) and checked when the last entry has been consumed: a caller must not trust what it
+    applied until the generator is exhausted. A damaged payload is then also reported as a file
+    that does not match its name's digest.
     """
     dctx = zstandard.ZstdDecompressor()
+    file_sha = hashlib.sha256() if expected_digest is not None else None
     with open(info.path, "rb") as f:
+
+        def digest_differs() -> bool:
+            """Hash the rest of the file (manifest and footer at least); True on a mismatch."""
+            assert file_sha is not None
+            while buf := f.read(CHUNK):
+                file_sha.update(buf)
+            return file_sha.hexdigest() != expected_digest
+
+        def damage(what: str) -> IntegrityError:
+            if file_sha is not None and digest_differs():
+                what = f"{NOT_ITS_DIGEST}: {what}"
+            return _damaged(info.path, what)
+
+        if file_sha is not None:
+            file_sha.update(f.read(info.payload_offset))
         f.seek(info.payload_offset)
-        limited = _Limited(f, info.payload_len)
+        limited = _Limited(f, info.payload_len, file_sha)
         reader = dctx.stream_reader(limited, read_across_frames=False, closefd=False)  # type: ignore[arg-type]
         total = 0
         for entry in info.manifest["entries"]:
-            yield entry, _entry_chunks(info, reader, entry)
+            yield entry, _entry_chunks(reader, entry, damage)
             total += int(entry["size"])
-        if reader.read(1):
-            raise _damaged(info.path, "payload longer than the manifest says")
+        try:
+            longer = reader.read(1)
+        except zstandard.ZstdError as e:
+            raise damage(f"zstd error after the last entry: {e}") from None
+        if longer:
+            raise damage("payload longer than the manifest says")
         if total != info.manifest.get("payload_size"):
-            raise _damaged(info.path, "payload_size disagrees with the entries")
+            raise damage("payload_size disagrees with the entries")
         if limited.left != 0:
-            raise _damaged(info.path, f"{limited.left} unread payload bytes after the zstd frame")
+            raise damage(f"{limited.left} unread payload bytes after the zstd frame")
+        if file_sha is not None and digest_differs():
+            raise _damaged(info.path, NOT_ITS_DIGEST)
 
 
-def _entry_chunks(info: BatchInfo, reader: Any, entry: dict[str, Any]) -> Iterator[bytes]:
+def _entry_chunks(reader: Any, entry: dict[str, Any], damage: Callable[[str], IntegrityError]) -> Iterator[bytes]:
     sha = hashlib.sha256()
     left = int(entry["size"])
     while left:
         try:
             buf = reader.read(min(CHUNK, left))
         except zstandard.ZstdError as e:
-            raise _damaged(info.path, f"zstd error in {entry['path']!r}: {e}") from None
+            raise damage(f"zstd error in {entry['path']!r}: {e}") from None
         if not buf:
-            raise _damaged(info.path, f"payload ends {left} bytes early inside {entry['path']!r}")
+            raise damage(f"payload ends {left} bytes early inside {entry['path']!r}")
         sha.update(buf)
         left -= len(buf)
         yield buf
     if sha.hexdigest() != entry["sha256"]:
-        raise _damaged(info.path, f"checksum mismatch for {entry['path']!r}")
+        raise damage(f"checksum mismatch for {entry['path']!r}")
 
 
 class _Limited:
     """Read at most ``left`` bytes from ``f`` (the payload section)."""
 
-    def __init__(self, f: IO[bytes], left: int) -> None:
+    def __init__(self, f: IO[bytes], left: int, sha: Any = None) -> None:
         self.f = f
         self.left = left
+        self.sha = sha  # hashes what passes (the whole-file digest), or None
 
     def read(self, n: int = -1) -> bytes:
         if n < 0 or n > self.left:
             n = self.left
         data = self.f.read(n)
         self.left -= len(data)
+        if self.sha is not None:
+            self.sha.update(data)
         return data
 
     def readinto(self, b: Any) -> int:
@@ -275,11 +320,9 @@ def file_sha256(path: Path) -> str:
 
 
 def verify_batch(path: Path, expected_digest: str | None = None) -> BatchInfo:
-    """Full check of one batch: file digest (if given), manifest, every entry."""
-    if expected_digest is not None and file_sha256(path) != expected_digest:
-        raise _damaged(path, "file digest differs from the digest in its name")
+    """Full check of one batch in one read: manifest, every entry, file digest (if given)."""
     info = read_manifest(path)
-    for _entry, chunks in iter_entries(info):
+    for _entry, chunks in iter_entries(info, expected_digest):
         for _ in chunks:
             pass
     return info

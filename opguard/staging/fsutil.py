@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import json
 import os
 import secrets
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +20,38 @@ def fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _kernel_at_least(major: int, minor: int) -> bool:
+    try:
+        parts = os.uname().release.split(".")
+        return (int(parts[0]), int("".join(c for c in parts[1] if c.isdigit()) or 0)) >= (major, minor)
+    except (ValueError, IndexError):
+        return False
+
+
+def syncfs(path: Path) -> bool:
+    """syncfs(2) of the filesystem holding ``path``: every dirty file and directory on it is written.
+
+    True when done; False when it cannot be relied on here (no ``syncfs`` in libc, or a kernel
+    before 5.8, which does not report writeback errors from it): the caller must fsync each file.
+    Raises OSError when the kernel reports a writeback error.
+    """
+    if sys.platform != "linux" or not _kernel_at_least(5, 8):
+        return False
+    fn = getattr(ctypes.CDLL(None, use_errno=True), "syncfs", None)
+    if fn is None:
+        return False
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        if fn(fd) != 0:
+            err = ctypes.get_errno()
+            if err == errno.ENOSYS:
+                return False
+            raise OSError(err, os.strerror(err), str(path))
+    finally:
+        os.close(fd)
+    return True
 
 
 def tmp_name(final: Path, prefix: str = ".opguard-tmp-") -> Path:

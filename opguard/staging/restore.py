@@ -26,7 +26,9 @@ import re
 import secrets
 import shutil
 import sys
+import threading
 from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,12 +38,11 @@ from opguard.staging.bundle import (
     FORMAT_VERSION,
     BatchInfo,
     check_relpath,
-    file_sha256,
     iter_entries,
     parse_batch_name,
     read_manifest,
 )
-from opguard.staging.fsutil import fsync_dir, read_json
+from opguard.staging.fsutil import fsync_dir, read_json, syncfs
 from opguard.staging.layout import BUNDLES_DIRNAME, NODE_COPY_DIRNAME, NODES_DIRNAME, RANKS_DIRNAME
 
 Progress = Callable[[str, int, int], None]
@@ -174,6 +175,7 @@ class Tree:
         self.sizes: dict[str, int] = {}
         self.dirs: set[str] = set()  # every directory holding a restored file or made by mkdir
         self.meta: dict[str, tuple[int | None, int | None]] = {}
+        self._lock = threading.Lock()  # streams are restored by parallel threads (disjoint subtrees)
 
     def size(self, rel: str) -> int | None:
         return self.sizes.get(rel)
@@ -184,11 +186,12 @@ class Tree:
         if not parent or parent in self.dirs:
             return  # invariant: every ancestor of a registered directory is a registered directory
         parts = parent.split("/")
-        for k in range(1, len(parts) + 1):
-            d = "/".join(parts[:k])
-            if d in self.sizes:
-                self._drop_file(d, f"{rel!r}")
-            self.dirs.add(d)
+        with self._lock:
+            for k in range(1, len(parts) + 1):
+                d = "/".join(parts[:k])
+                if d in self.sizes:
+                    self._drop_file(d, f"{rel!r}")
+                self.dirs.add(d)
         if self.root is not None:
             (self.root / parent).mkdir(parents=True, exist_ok=True)
 
@@ -220,7 +223,8 @@ class Tree:
         check_relpath(rel)
         self._make_parents(rel)
         if rel in self.dirs:
-            self._drop_dir(rel, "a file")
+            with self._lock:
+                self._drop_dir(rel, "a file")
         n = 0
         if self.root is None:
             for buf in chunks:
@@ -236,9 +240,10 @@ class Tree:
     def mkdir(self, rel: str) -> None:
         check_relpath(rel)
         self._make_parents(rel)
-        if rel in self.sizes:
-            self._drop_file(rel, "files")
-        self.dirs.add(rel)
+        with self._lock:
+            if rel in self.sizes:
+                self._drop_file(rel, "files")
+            self.dirs.add(rel)
         if self.root is not None:
             (self.root / rel).mkdir(exist_ok=True)
 
@@ -257,8 +262,9 @@ class Tree:
         self.meta.clear()
 
     def fsync_all(self) -> None:
-        """fsync every restored file and directory (before the publishing rename)."""
-        if self.root is None:
+        """Make every restored file and directory durable (before the publishing rename): one
+        ``syncfs`` of DEST's filesystem where it reports errors, else an fsync of each."""
+        if self.root is None or syncfs(self.root):
             return
         for dirpath, _dirs, files in os.walk(self.root, topdown=False):
             for name in files:
@@ -490,10 +496,11 @@ def _int(entry: dict[str, Any], key: str, minimum: int) -> int:
     return value
 
 
-def _apply_batch(st: _Stream, info: BatchInfo, tree: Tree, versions: dict[str, int], files: set[str]) -> int:
-    """Verify every entry of one batch and apply it (§7). Returns payload bytes."""
+def _apply_batch(st: _Stream, info: BatchInfo, tree: Tree, versions: dict[str, int], files: set[str],
+                 digest: str) -> int:
+    """Verify every entry of one batch (and the file's ``digest``) and apply it (§7). Returns payload bytes."""
     total = 0
-    for entry, chunks in iter_entries(info):
+    for entry, chunks in iter_entries(info, digest):
         path = entry.get("path")
         op = entry.get("op")
         try:
@@ -537,18 +544,20 @@ def _apply_batch(st: _Stream, info: BatchInfo, tree: Tree, versions: dict[str, i
     return total
 
 
-def _replay_stream(st: _Stream, run_id: str, tree: Tree, progress: Progress | None) -> None:
+def _replay_stream(st: _Stream, run_id: str, tree: Tree, progress: Progress | None,
+                   stop: threading.Event | None = None) -> None:
     versions: dict[str, int] = {}
     files: set[str] = set()
     prev: str | None = None
     for seq, digest, path in st.batches:
+        if stop is not None and stop.is_set():
+            return  # another stream failed: the restore is abandoned
         try:
-            if file_sha256(path) != digest:
-                raise damaged(st.name, f"batch {path.name}: its content does not match the digest in its name "
-                                       "(altered or truncated)")
             info = read_manifest(path)
             _check_manifest(st, info, seq, prev, run_id)
-            st.report.bytes += _apply_batch(st, info, tree, versions, files)
+            # the file digest is checked in the same pass as decompression (one read of the batch),
+            # after its entries were applied to the partial tree, which is published only at the end
+            st.report.bytes += _apply_batch(st, info, tree, versions, files, digest)
         except IdentityError:
             raise
         except OpguardError as e:
@@ -593,12 +602,39 @@ def _run_v2(source: Path, tree: Tree, report: VerifyReport, progress: Progress |
     if fail_fast:  # a restore refuses before doing any work; verify reports everything first
         _warn_unsealed(report)
         _require_sealed(report, require_sealed)
-    for st in streams:
-        if st.report.status != DAMAGED:
-            _guarded(st.report, fail_fast, lambda st=st: _replay_stream(st, run_id, tree, progress))  # type: ignore[misc]
+    _replay_all([st for st in streams if st.report.status != DAMAGED], run_id, tree, progress, fail_fast)
     if tree.root is not None:
         tree.apply_meta()
         _copy_node_metadata(streams, tree.root)
+
+
+def _replay_all(streams: list[_Stream], run_id: str, tree: Tree, progress: Progress | None, fail_fast: bool) -> None:
+    """Replay streams in parallel threads (one per usable CPU, at most 8): streams restore into
+    disjoint subtrees, and decompression, hashing and file writes release the GIL. A restore
+    (``fail_fast``) stops the other streams after the first failure and raises the failure of the
+    first stream in order; verify replays every stream and marks each damaged one."""
+    stop = threading.Event()
+
+    def one(st: _Stream) -> BaseException | None:
+        if stop.is_set():
+            return None
+        try:
+            _guarded(st.report, fail_fast, lambda: _replay_stream(st, run_id, tree, progress, stop))
+        except BaseException as e:  # handed to the calling thread below
+            if fail_fast:
+                stop.set()
+            return e
+        return None
+
+    workers = max(1, min(len(os.sched_getaffinity(0)), len(streams), 8))
+    if workers == 1:
+        errors = [one(st) for st in streams]
+    else:
+        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="opguard-restore") as pool:
+            errors = list(pool.map(one, streams))
+    for err in errors:
+        if err is not None:
+            raise err
 
 
 # ---- shared driver ------------------------------------------------------------------------------
