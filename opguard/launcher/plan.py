@@ -150,7 +150,7 @@ def build_plan(pf: Preflight, cmd: list[str]) -> dict[str, Any]:
             "pending_bytes": pending,
             "drain_seconds_at_cap": round(schedule.drain_seconds(pending, caps.cap_mib_s), 3),
             "batch_upload_seconds_at_cap": round(upload_s, 3),
-            "streams": streams,
+            "stream_count": streams,
             # a periodic sync publishes at most one batch per stream, one upload at a time at the cap
             "keeps_up": schedule.keeps_up(config.sync_interval, streams * config.batch_bytes, caps.cap_mib_s),
             "periodic_capacity_mib_s": round(schedule.periodic_capacity_bytes_per_s(

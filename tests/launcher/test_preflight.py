@@ -223,7 +223,7 @@ def test_plan_warning_without_a_rate_is_called_a_floor(staging_env: dict[str, st
     derived = plan["derived"]
     assert isinstance(derived, dict)
     assert derived["suggested_warning_seconds"] == 30 and derived["expected_mib_s"] is None
-    assert derived["streams"] == 2  # rank 0 and the node stream (node duty)
+    assert derived["stream_count"] == 2  # rank 0 and the node stream (node duty)
     assert "is the 30 s floor because no expected data rate was given" in err
     assert "OPGUARD_EXPECTED_MBPS" in err
 
@@ -257,7 +257,7 @@ def test_plan_torchrun_counts_every_local_rank_as_a_stream(staging_env: dict[str
     plan, _err = _plan(env, "torchrun", "--standalone", "--nproc-per-node=4", "app.py")
     d = plan["derived"]
     assert isinstance(d, dict)
-    assert d["streams"] == 5  # four ranks and the node stream
+    assert d["stream_count"] == 5  # four ranks and the node stream
     assert d["periodic_capacity_mib_s"] == pytest.approx(5 / 2, abs=1e-3)  # 5 × 1 MiB per 2 s interval
 
 
