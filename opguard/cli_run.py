@@ -72,12 +72,15 @@ def parse_signals(spec: str, what: str) -> list[signal.Signals]:
 @click.option("--report-json", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="where to write the run report (default: <local base>/state/launcher/<stream>.json)")
 @click.option("--no-countdown", is_flag=True, help="do not poll the scheduler for the job's end time")
+@click.option("--capture", is_flag=True,
+              help="capture per-operation traces in every Python process the command starts (torchrun workers "
+              "included; options from OPGUARD_CAPTURE_*, see docs/capture.md)")
 @click.option("--mountinfo", type=click.Path(dir_okay=False, path_type=Path), default=MOUNTINFO, hidden=True,
               help="mount table to read (tests)")
 @click.argument("command", nargs=-1, type=click.UNPROCESSED, required=True)
 def run_command(command: tuple[str, ...], plan_only: bool, as_json: bool, quiet: bool, verbose: bool,
                 forward_signals: str, warning_signal: str, forward_warning: bool, kill_grace: float,
-                drain_timeout: float | None, report_json: Path | None, no_countdown: bool,
+                drain_timeout: float | None, report_json: Path | None, no_countdown: bool, capture: bool,
                 mountinfo: Path) -> None:
     """Run COMMAND under opguard: identity, preflight, periodic syncs, signal forwarding, final drain.
 
@@ -92,7 +95,7 @@ def run_command(command: tuple[str, ...], plan_only: bool, as_json: bool, quiet:
 
     try:
         code = _run(list(command), plan_only, as_json, quiet, verbose, forward_signals, warning_signal,
-                    forward_warning, kill_grace, drain_timeout, report_json, no_countdown, mountinfo)
+                    forward_warning, kill_grace, drain_timeout, report_json, no_countdown, mountinfo, capture)
     except OpguardError as err:
         fail(err)
         return
@@ -101,7 +104,7 @@ def run_command(command: tuple[str, ...], plan_only: bool, as_json: bool, quiet:
 
 def _run(cmd: list[str], plan_only: bool, as_json: bool, quiet: bool, verbose: bool, forward_signals: str,
          warning_signal: str, forward_warning: bool, kill_grace: float, drain_timeout: float | None,
-         report_json: Path | None, no_countdown: bool, mountinfo: Path) -> int:
+         report_json: Path | None, no_countdown: bool, mountinfo: Path, capture: bool = False) -> int:
     from opguard.launcher.plan import build_plan, render
     from opguard.launcher.preflight import run_preflight
 
@@ -111,6 +114,7 @@ def _run(cmd: list[str], plan_only: bool, as_json: bool, quiet: bool, verbose: b
         raise ConfigError(f"--warning-signal={warning_signal!r} names more than one signal", "name one signal")
     if kill_grace < 0:
         raise ConfigError(f"--kill-grace={kill_grace} is negative", "pass seconds >= 0")
+    capture_env = _capture_env() if capture else None  # bad OPGUARD_CAPTURE_* values: exit 2 before anything
     pf = run_preflight(cmd, os.environ, mountinfo=mountinfo)
     if plan_only:
         plan = build_plan(pf, cmd)
@@ -128,10 +132,20 @@ def _run(cmd: list[str], plan_only: bool, as_json: bool, quiet: bool, verbose: b
 
     opts = Options(forward=forward, warning=warn[0] if warn else None, forward_warning=forward_warning,
                    kill_grace=kill_grace, drain_timeout=drain_timeout, report_json=report_json,
-                   quiet=quiet, verbose=verbose, countdown=not no_countdown)
+                   quiet=quiet, verbose=verbose, countdown=not no_countdown, child_env=capture_env)
     if verbose:  # the derived numbers walk the staged files: only when asked
         click.echo(render(build_plan(pf, cmd)), err=True)
     return run(cmd, pf, opts)
+
+
+def _capture_env() -> dict[str, str]:
+    """The variables ``--capture`` adds to the command's environment (the capture bootstrap on
+    PYTHONPATH, OPGUARD_CAPTURE=1, validated OPGUARD_CAPTURE_* options). Imports no torch."""
+    from opguard.capture.bootstrap import child_env
+
+    base = dict(os.environ)
+    full = child_env(base)
+    return {k: v for k, v in full.items() if base.get(k) != v}
 
 
 def _record_node_id_conflicts(pf: Preflight) -> bool:

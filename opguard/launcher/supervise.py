@@ -64,6 +64,7 @@ class Options:
     quiet: bool = False
     verbose: bool = False
     countdown: bool = True
+    child_env: dict[str, str] | None = None  # extra environment for the command (e.g. the capture bootstrap)
 
 
 def _prctl(option: int, arg: int) -> bool:
@@ -268,6 +269,8 @@ class Supervisor:
         opts = self.opts
         env = dict(os.environ)
         env.update(self.identity.exports())
+        if opts.child_env:
+            env.update(opts.child_env)
         if self.staging:
             self._node_setup(env)
         _prctl(PR_SET_CHILD_SUBREAPER, 1)

@@ -90,9 +90,9 @@ def test_opguard_run_torchrun_capture_and_identical_losses(tmp_path: Path) -> No
     cap_out.mkdir()
     run(torchrun(plain_out), clean_env())
     base = tmp_path / "traces"
-    env = child_env({**clean_env(), "OPGUARD_TRACE_OUTPUT_BASE": str(base), "OPGUARD_NODE_ID": "node-a"},
-                    CaptureOptions(buffer=64))
-    run([str(BIN / "opguard-run"), *torchrun(cap_out)], env)
+    env = {**clean_env(), "OPGUARD_TRACE_OUTPUT_BASE": str(base), "OPGUARD_NODE_ID": "node-a",
+           **CaptureOptions(buffer=64).to_env()}
+    run([str(BIN / "opguard-run"), "--capture", *torchrun(cap_out)], env)  # no code change in the script
     for rank in (0, 1):
         plain = (plain_out / f"loss-{rank}.txt").read_text()
         assert plain == (cap_out / f"loss-{rank}.txt").read_text() and len(plain.split()) == int(STEPS)
@@ -116,3 +116,24 @@ def test_staging_round_trip_restores_the_traces(staging_env: dict[str, str], tmp
         assert {"meta.json", "trace.jsonl", "callsites.json", "sources.json"} <= {str(f) for f in files}
         for f in files:
             assert (trace_dir(dest, rank) / f).read_bytes() == (src / f).read_bytes(), f
+
+
+def test_opguard_run_capture_with_staging_publishes_the_traces(staging_env: dict[str, str], tmp_path: Path) -> None:
+    """`opguard-run --capture torchrun ...` with local staging: capture, periodic syncs and the final drain."""
+    out = tmp_path / "app-out"
+    out.mkdir()
+    run([str(BIN / "opguard-run"), "--capture", *torchrun(out)], {**staging_env, "OMP_NUM_THREADS": "1"})
+    dest = tmp_path / "restored"
+    run([str(BIN / "opguard"), "materialize", "--require-sealed", staging_env["OPGUARD_LOCAL_DUMP_TARGET"],
+         str(dest)], staging_env)
+    check_two_rank_traces(dest)
+
+
+def test_opguard_run_capture_rejects_bad_options_before_starting(tmp_path: Path) -> None:
+    marker = tmp_path / "started"
+    env = {**clean_env(), "OPGUARD_TRACE_OUTPUT_BASE": str(tmp_path / "t"), "OPGUARD_NODE_ID": "node-a",
+           "OPGUARD_CAPTURE_DIGEST": "bogus"}
+    r = subprocess.run([str(BIN / "opguard-run"), "--capture", "touch", str(marker)], env=env,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "OPGUARD_CAPTURE_DIGEST" in r.stderr, r.stderr
+    assert not marker.exists()
