@@ -24,12 +24,16 @@ from tests.test_sync_support import batches, rank_dir, replay, stream_dir, sync
 
 
 class FaultyOs:
-    """``os`` for opguard.staging.publish, with one call replaced."""
+    """``os`` for opguard.staging.publish, with one call replaced. A fault of ``write`` hides
+    ``copy_file_range`` (the upload then copies by read/write, as across filesystems that the
+    kernel cannot copy between)."""
 
     def __init__(self, name: str, fn: Callable[..., Any]) -> None:
         self._name, self._fn = name, fn
 
     def __getattr__(self, attr: str) -> Any:
+        if attr == "copy_file_range" and self._name == "write":
+            raise AttributeError(attr)
         return self._fn if attr == self._name else getattr(os, attr)
 
 
@@ -65,6 +69,9 @@ FAULTS = [
     ("close", _close_fail, "closing", True),
     ("rename", fail(errno.EIO), "renaming", True),
     ("rename", _rename_then_fail, None, False),  # failed but happened: published
+    ("copy_file_range", fail(errno.ENOSPC), "No space left", True),
+    ("copy_file_range", fail(errno.EIO), "Input/output error", True),
+    ("copy_file_range", fail(errno.EXDEV), None, False),  # another filesystem: read/write instead, published
 ]
 
 

@@ -82,6 +82,7 @@ class Producer:
         p = self.root / log
         if p.exists():
             self.rotations += 1
+            self._remember(log)  # if no record follows, the restore holds its last published version
             os.rename(p, self.root / f"{log[:-6]}.r{self.rotations}.jsonl")
             self.rest.pop(log, None)  # the renamed segment keeps its partial record forever
 

@@ -50,6 +50,14 @@ def _install(call: str, code: int) -> None:
                 raise fail("write", fd_path(fd))
             return real_write(fd, data)
         os.write = write
+        if hasattr(os, "copy_file_range"):  # the upload's copy primitive where the kernel offers it
+            real_cfr = os.copy_file_range
+
+            def copy_file_range(src: int, dst: int, count: int, *a: Any, **k: Any) -> int:
+                if upload(fd_path(dst)):
+                    raise fail("write", fd_path(dst))
+                return real_cfr(src, dst, count, *a, **k)
+            os.copy_file_range = copy_file_range
     elif call in ("fsync", "fsync-dir"):
         def fsync(fd: Any) -> None:
             p = fd_path(fd if isinstance(fd, int) else fd.fileno())
