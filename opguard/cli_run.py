@@ -114,6 +114,11 @@ def _run(cmd: list[str], plan_only: bool, as_json: bool, quiet: bool, verbose: b
         raise ConfigError(f"--warning-signal={warning_signal!r} names more than one signal", "name one signal")
     if kill_grace < 0:
         raise ConfigError(f"--kill-grace={kill_grace} is negative", "pass seconds >= 0")
+    early: list[int] = []
+    if warn and not plan_only:
+        # Slurm's --signal may come at any moment, even while the preflight reads shared storage: its
+        # default action would kill the wrapper. Record it; the supervisor starts the drain with it.
+        signal.signal(warn[0], lambda signum, _frame: early.append(signum))
     capture_env = _capture_env() if capture else None  # bad OPGUARD_CAPTURE_* values: exit 2 before anything
     pf = run_preflight(cmd, os.environ, mountinfo=mountinfo)
     if plan_only:
@@ -132,7 +137,8 @@ def _run(cmd: list[str], plan_only: bool, as_json: bool, quiet: bool, verbose: b
 
     opts = Options(forward=forward, warning=warn[0] if warn else None, forward_warning=forward_warning,
                    kill_grace=kill_grace, drain_timeout=drain_timeout, report_json=report_json,
-                   quiet=quiet, verbose=verbose, countdown=not no_countdown, child_env=capture_env)
+                   quiet=quiet, verbose=verbose, countdown=not no_countdown, child_env=capture_env,
+                   early_signals=early)
     if verbose:  # the derived numbers walk the staged files: only when asked
         click.echo(render(build_plan(pf, cmd)), err=True)
     return run(cmd, pf, opts)

@@ -65,6 +65,7 @@ class Options:
     verbose: bool = False
     countdown: bool = True
     child_env: dict[str, str] | None = None  # extra environment for the command (e.g. the capture bootstrap)
+    early_signals: list[int] | None = None  # warning signals received during preflight, handled at start
 
 
 def _prctl(option: int, arg: int) -> bool:
@@ -275,6 +276,7 @@ class Supervisor:
             self._node_setup(env)
         _prctl(PR_SET_CHILD_SUBREAPER, 1)
         wake_r, old = self.install()
+        self.pending_signals.extend(opts.early_signals or [])  # a warning that came during preflight
         sel = selectors.DefaultSelector()
         sel.register(wake_r, selectors.EVENT_READ, "signal")
         try:

@@ -240,3 +240,42 @@ def test_sigterm_not_forwarded_still_drains(staging_env: dict[str, str], tmp_pat
     assert p.returncode == 4, err
     assert not (out / "signals.txt").exists()
     assert "received SIGTERM: not forwarded (--forward-signals)" in err
+
+
+def test_warning_during_preflight_is_kept_not_fatal(staging_env: dict[str, str], tmp_path: Path) -> None:
+    """Slurm's --signal can arrive while the preflight still reads shared storage. Its default action
+    would kill the wrapper; instead it is recorded and starts the drain as soon as the command runs.
+    The preflight is held deterministically: the target's format.json is a FIFO until we answer it."""
+    env = staging_env
+    bundles = Path(env["OPGUARD_LOCAL_DUMP_TARGET"]) / ".opguard-bundles"
+    bundles.mkdir()
+    fifo = bundles / "format.json"
+    os.mkfifo(fifo)
+    doc = json.dumps({"format": "opguard-bundles", "version": 2, "run_id": "experiment-001",
+                      "created_at": 0.0, "created_by": "test"}).encode()
+    p = start(env, PY, "-c", "import time; time.sleep(3)")
+
+    fds: list[int] = []
+
+    def reader_waiting() -> bool:
+        """Opening the write end without blocking succeeds only while a reader (the preflight) waits."""
+        try:
+            fds.append(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        except OSError:
+            return p.poll() is not None
+        return True
+
+    wait_for(reader_waiting, 30, "the preflight to open format.json")
+    assert p.poll() is None and fds
+    os.kill(p.pid, signal.SIGUSR1)
+    regular = bundles / "format.json.regular"
+    regular.write_bytes(doc)
+    os.set_blocking(fds[0], True)
+    os.write(fds[0], doc)
+    os.replace(regular, fifo)  # later readers (the syncs) see a regular file
+    os.close(fds[0])
+    _out, err = p.communicate(timeout=120)
+    assert p.returncode == 0, err
+    assert "received SIGUSR1" in err
+    drain = report(env)["drain"]
+    assert isinstance(drain, dict) and "USR1" in str(drain.get("reason")), drain
