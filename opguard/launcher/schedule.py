@@ -191,3 +191,16 @@ class ClusterSizing:
         w = warning_seconds(self.worst_backlog_bytes, self.cap_mib_s)
         early = self.worst_early_drain_s
         return w if early <= w or math.isinf(early) else math.ceil(early)
+
+
+def run_phase_shift(run_id: str, interval: float) -> float:
+    """A per-run shift of the whole schedule within the interval (the same on every node of a run), so
+    that different jobs on one filesystem do not all put their node 0 at the same wall-clock second."""
+    return interval * jitter_unit(0, f"run:{run_id}")
+
+
+def next_slot(after: float, phase: float, interval: float) -> float:
+    """The first wall-clock time ≥ ``after`` that lies on this node's schedule (``phase`` modulo
+    ``interval``). Anchoring syncs to the wall clock, not to each wrapper's own start, keeps the
+    stagger between nodes whatever their start-up times and however long each sync ran."""
+    return phase + math.ceil((after - phase) / interval) * interval

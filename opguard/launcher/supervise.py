@@ -35,6 +35,7 @@ from opguard.launcher import countdown
 from opguard.launcher.plan import effective_cap, stagger
 from opguard.launcher.preflight import Preflight
 from opguard.launcher.report import RunReport, default_report_path, write_report
+from opguard.launcher.schedule import next_slot, run_phase_shift
 from opguard.launcher.sidecar import Sidecar, SyncResult, node_env
 
 PR_SET_PDEATHSIG = 1
@@ -154,6 +155,7 @@ class Supervisor:
         self.conflict: str | None = None  # a node ID conflict found by a sync: stop, exit 2
         self.started_at = _process_start()
         self.next_sync: float | None = None
+        self.sync_phase = 0.0  # wall-clock phase of this node's periodic syncs within the interval
         self.next_countdown: float | None = None
         self._end_query: threading.Thread | None = None
         self._end_answer: tuple[float | None] | None = None
@@ -231,7 +233,8 @@ class Supervisor:
         if self.next_sync is not None and now >= self.next_sync:
             assert self.config is not None
             sc.start(final=False)
-            self.next_sync = now + self.config.sync_interval
+            wall = time.time()  # the next slot of this node's wall-clock schedule (see schedule.next_slot)
+            self.next_sync = now + next_slot(wall + 1e-3, self.sync_phase, self.config.sync_interval) - wall
 
     def on_sync_done(self, res: SyncResult) -> None:
         if res.node_id_conflict is not None:
@@ -299,7 +302,13 @@ class Supervisor:
             assert self.config is not None
             # the staggered schedule starts after the settle time, so the stagger between nodes stays whole
             settle = max(0.0, self.settle_until - now) if self.settle_until is not None else 0.0
-            self.next_sync = now + settle + stagger(self.identity, self.config.sync_interval)
+            interval = self.config.sync_interval
+            # node k of N syncs at phase k/N of the interval on the wall clock (shifted per run), so the
+            # stagger holds whatever each wrapper's start-up and settle time were
+            self.sync_phase = (stagger(self.identity, interval)
+                               + run_phase_shift(self.config.run_id or "", interval)) % interval
+            wall = time.time()
+            self.next_sync = now + next_slot(wall + settle, self.sync_phase, interval) - wall
             if opts.countdown and countdown.job_id(os.environ):
                 self.next_countdown = now
         sync_fd: int | None = None
