@@ -7,8 +7,10 @@ sync is reported on stderr and retried at the next interval, never fatal to the 
 
 from __future__ import annotations
 
+import functools
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -48,13 +50,24 @@ def sync_argv(identity: Identity, final: bool, report: Path, started_at: float =
     return args
 
 
-def _nice_child() -> None:  # in the sync child before exec: it never runs at normal priority
-    os.setpriority(os.PRIO_PROCESS, 0, 19)
+# Signals a sync ignores (SIG_IGN survives exec). Slurm (proctrack linuxproc/cgroup) and srun deliver
+# a step's signals to every process of the step, the wrapper's syncs included: the warning signal
+# (--signal=USR1@N, forwarded to the step by the batch script) would otherwise kill the very drain it
+# asks for (exit 138), and scancel's SIGTERM would kill the drain it starts, wasting the upload in
+# flight out of KillWait. Only the wrapper decides when a sync stops: SIGKILL (its durable state makes
+# that safe: docs/protocol.md), and Slurm's own SIGKILL after KillWait ends it like everything else.
+SYNC_IGNORES = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGINT, signal.SIGHUP)
+
+
+def _sync_child_preexec(ignore: tuple[signal.Signals, ...]) -> None:  # in the sync child before exec
+    os.setpriority(os.PRIO_PROCESS, 0, 19)  # it never runs at normal priority
+    for s in ignore:
+        signal.signal(s, signal.SIG_IGN)
 
 
 def lower_priority(pid: int) -> None:
     """Idle I/O class (best-effort class, lowest level, where idle is refused); nice 19 is set
-    before exec (``_nice_child``)."""
+    before exec (``_sync_child_preexec``)."""
     try:
         p = psutil.Process(pid)
         try:
@@ -140,6 +153,7 @@ class Sidecar:
     verbose: bool = False
     say: Callable[[str], None] = lambda _m: None
     started_at: float = 0.0  # the wrapper's start (wall clock): conflict markers older than it are stale
+    warning: signal.Signals | None = None  # the wrapper's warning signal: its syncs ignore it too
     running: RunningSync | None = None
     results: list[SyncResult] = field(default_factory=list)
     count: int = 0
@@ -155,10 +169,15 @@ class Sidecar:
             self.say("opguard-run: starting " + " ".join(argv[4:]))
         with open(errpath, "wb") as err:
             proc = subprocess.Popen(argv, env=self.env, stdin=subprocess.DEVNULL, stdout=err, stderr=err,
-                                    start_new_session=True, preexec_fn=_nice_child)
+                                    start_new_session=True,
+                                    preexec_fn=functools.partial(_sync_child_preexec, self._ignored()))
         lower_priority(proc.pid)
         self.running = RunningSync(self.count, final, proc, time.monotonic(), report, errpath)
         return self.running
+
+    def _ignored(self) -> tuple[signal.Signals, ...]:
+        extra = (self.warning,) if self.warning is not None and self.warning not in SYNC_IGNORES else ()
+        return SYNC_IGNORES + extra
 
     def poll(self) -> SyncResult | None:
         """Collect the running sync if it has finished."""
@@ -185,18 +204,15 @@ class Sidecar:
         self.running = None
         return res
 
-    def stop(self, grace: float = 5.0) -> SyncResult | None:
-        """Terminate a running sync (its durable state makes that safe), then collect it."""
+    def stop(self) -> SyncResult | None:
+        """Kill a running sync (it ignores SIGTERM; its durable state makes SIGKILL safe: the next
+        sync resumes a pending batch), then collect it."""
         r = self.running
         if r is None:
             return None
         if r.proc.poll() is None:
-            r.proc.terminate()
-            try:
-                r.proc.wait(grace)
-            except subprocess.TimeoutExpired:
-                r.proc.kill()
-                r.proc.wait()
+            r.proc.kill()
+            r.proc.wait()
         return self._collect(r)
 
     @property

@@ -510,7 +510,7 @@ class Supervisor:
             layout.rank_dir(r).mkdir(parents=True, exist_ok=True)  # the rank's stream exists from the start
         cap = effective_cap(self.config, self.identity.node_count).cap_mib_s
         self.sidecar = Sidecar(self.identity, node_env(env, cap), self.workdir, self.opts.verbose, self.say,
-                               started_at=self.started_at)
+                               started_at=self.started_at, warning=self.opts.warning)
 
     def _node_metadata(self, env: dict[str, str]) -> None:
         """Local rank 0, right after the command started (it needs nothing from it)."""

@@ -45,8 +45,13 @@ def test_second_node_duty_claimant_is_refused(staging_env: dict[str, str], tmp_p
 
 def test_quiet_and_verbose_progress(staging_env: dict[str, str], tmp_path: Path) -> None:
     env = {**staging_env, "OPGUARD_LOCAL_DUMP_SYNC_INTERVAL": "0.3"}
-    code = "import time; from opguard.staging.writers import open_jsonl; w = open_jsonl('t.jsonl'); " \
-           "[(w.write({'i': i}), time.sleep(0.1)) for i in range(15)]"
+    # writes until a periodic sync has published a batch (the event the test is about), at most 60 s
+    code = ("import os, pathlib, time; from opguard.staging.writers import open_jsonl; w = open_jsonl('t.jsonl')\n"
+            "b = pathlib.Path(os.environ['OPGUARD_LOCAL_DUMP_TARGET'], '.opguard-bundles', 'streams')\n"
+            "n = len(list(b.glob('*/*.ogb')))\n"  # the quiet run's batches are there for the verbose run
+            "for i in range(600):\n"
+            "    w.write({'i': i}); time.sleep(0.1)\n"
+            "    if i >= 5 and len(list(b.glob('*/*.ogb'))) > n: break\n")
     q = subprocess.run([OPGUARD_RUN, "--quiet", PY, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert q.returncode == 0, q.stderr
     lines = q.stderr.strip().splitlines()

@@ -279,3 +279,43 @@ def test_warning_during_preflight_is_kept_not_fatal(staging_env: dict[str, str],
     assert "received SIGUSR1" in err
     drain = report(env)["drain"]
     assert isinstance(drain, dict) and "USR1" in str(drain.get("reason")), drain
+
+
+WRITE_AND_EXIT = """
+import base64, os
+from opguard.staging.writers import open_jsonl
+t = open_jsonl("trace.jsonl")
+for i in range(48):  # ~3 MiB that zstd cannot shrink much: the drain takes seconds at 1 MiB/s
+    t.write({"i": i, "blob": base64.b64encode(os.urandom(48 * 1024)).decode()})
+t.close()
+"""
+
+
+def test_a_step_wide_warning_signal_does_not_kill_the_drain(staging_env: dict[str, str], tmp_path: Path) -> None:
+    """Slurm delivers a step's signals to every process of the step, the wrapper's syncs included
+    (the batch script forwards --signal=B:USR1@N to the step): the final drain must survive the
+    warning it was started for. The CI failure this pins: 'final drain FAILED (exit 138)'."""
+    psutil = pytest.importorskip("psutil")
+    env = {**staging_env, "OPGUARD_LOCAL_DUMP_SYNC_INTERVAL": "3600", "OPGUARD_SYNC_MBPS": "1"}
+    p = start(env, PY, "-c", WRITE_AND_EXIT)
+
+    def final_sync() -> list[object]:
+        try:
+            kids = psutil.Process(p.pid).children()
+        except psutil.NoSuchProcess:
+            return []
+        return [k for k in kids if "--final" in k.cmdline()]
+
+    wait_for(lambda: bool(final_sync()) or p.poll() is not None, 60, "the final drain to start")
+    syncs = final_sync()
+    assert syncs, "the wrapper exited before its final drain could be signalled"
+    sync = syncs[0]
+    for s in (signal.SIGUSR1, signal.SIGTERM, signal.SIGUSR2, signal.SIGHUP, signal.SIGINT):  # as slurmstepd would
+        sync.send_signal(s)
+    p.send_signal(signal.SIGUSR1)
+    _stdout, err = p.communicate(timeout=120)
+    assert p.returncode == 0, err
+    assert "drain complete" in err and "FAILED" not in err, err
+    local = Path(env["OPGUARD_LOCAL_DUMP_BASE"]) / "ranks" / "rank-000000" / "trace.jsonl"
+    restored = restore(env, tmp_path / "restored") / "ranks" / "rank-000000" / "trace.jsonl"
+    assert restored.read_bytes() == local.read_bytes()
