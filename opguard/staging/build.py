@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from opguard.staging import crashpoints
-from opguard.staging.bundle import BatchWriteError, BatchWriter, batch_name
+from opguard.staging.bundle import ZSTD_THREADS, BatchWriteError, BatchWriter, batch_name
 from opguard.staging.checkpoint import Checkpoint, FileRecord, Pending, save_pending
 from opguard.staging.fsutil import fsync_dir
 from opguard.staging.plan import Take
@@ -42,6 +42,7 @@ class BatchSource:
     rank: int | None
     node_id: str
     state_dir: Path  # STATE/streams/<stream>
+    zstd_threads: int = ZSTD_THREADS  # 0 when several streams build in parallel (sync.stream_workers)
 
 
 SMALL_FILE = 1 << 20  # read whole in one os.read and handed to the compressor as one buffer
@@ -156,7 +157,7 @@ def build_batch(src: BatchSource, cp: Checkpoint, changes: Sequence[Change], del
     except OSError as e:
         raise BatchWriteError(pending_dir, e) from None
     build = pending_dir / f".build-{secrets.token_hex(6)}"
-    w = BatchWriter(build, manifest)
+    w = BatchWriter(build, manifest, threads=src.zstd_threads)
     root = os.fspath(src.root)
     taken = 0
     try:

@@ -83,7 +83,7 @@ class _HashingWriter:
 class BatchWriter:
     """Builds one batch file at ``path``. Use :meth:`add_bytes`/:meth:`add_stream`, then :meth:`finish`."""
 
-    def __init__(self, path: Path, manifest: dict[str, Any]) -> None:
+    def __init__(self, path: Path, manifest: dict[str, Any], threads: int = ZSTD_THREADS) -> None:
         self.path = path
         self.manifest = dict(manifest)
         self.entries: list[dict[str, Any]] = []
@@ -98,7 +98,8 @@ class BatchWriter:
         # 90.7 MiB vs 29.1 MiB, under the 128 MiB goal). One worker, not one per core: -1 buffered a
         # job per core and passed 128 MiB on 2 cores (more on bigger nodes, next to the training
         # ranks). The frame format is the same either way; output is written from this thread.
-        cctx = zstandard.ZstdCompressor(level=ZSTD_LEVEL, write_checksum=True, threads=ZSTD_THREADS)
+        # threads=0 when several streams build in parallel (each builder thread compresses inline).
+        cctx = zstandard.ZstdCompressor(level=ZSTD_LEVEL, write_checksum=True, threads=threads)
         self._z = cctx.stream_writer(self._out, closefd=False, write_return_read=True)  # type: ignore[arg-type]
         self.payload_size = 0
 

@@ -11,8 +11,10 @@ from __future__ import annotations
 import errno
 import os
 import re
+import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,7 +24,7 @@ import filelock
 from opguard.errors import ConfigError, IdentityError, LockTimeout, OpguardError, PublishError
 from opguard.staging import crashpoints
 from opguard.staging.build import BatchSource, Torn, build_batch
-from opguard.staging.bundle import BatchWriteError, read_manifest
+from opguard.staging.bundle import ZSTD_THREADS, BatchWriteError, read_manifest
 from opguard.staging.checkpoint import Checkpoint, Pending, save_checkpoint
 from opguard.staging.config import StagingConfig
 from opguard.staging.fsutil import create_exclusive, dump_json, fsync_dir, read_json
@@ -127,6 +129,10 @@ def all_streams(config: StagingConfig, layout: Layout, node_id: str) -> list[str
     return out
 
 
+MAX_STREAM_WORKERS = 4
+_UPLOADING = threading.Lock()  # one upload at a time from this process (then the node's upload lock)
+
+
 # ---- building a batch ----------------------------------------------------------------------------
 
 @dataclass
@@ -141,6 +147,7 @@ class _Ctx:
     bucket: Bucket
     progress: Progress
     report: StreamReport
+    zstd_threads: int = ZSTD_THREADS
     skipped_changed: bool = False
 
     @property
@@ -169,7 +176,7 @@ def _build(ctx: _Ctx, cp: Checkpoint, changes: list[Change], deleted: list[str],
             "records"))
     if not plan.takes and not deleted:
         return None, plan.backlog_bytes
-    src = BatchSource(ctx.root, ctx.stream, ctx.kind, ctx.rank, ctx.node_id, ctx.state)
+    src = BatchSource(ctx.root, ctx.stream, ctx.kind, ctx.rank, ctx.node_id, ctx.state, ctx.zstd_threads)
     try:
         pending, taken = build_batch(src, cp, use, deleted, plan.takes, final)
     except BatchWriteError as e:
@@ -215,7 +222,7 @@ def _publish(ctx: _Ctx, pending: Pending) -> Checkpoint:
                             "restore the staging directory or choose a new run ID")
     try:
         lock = filelock.FileLock(os.fspath(ctx.layout.node_upload_lock), timeout=ctx.config.lock_timeout)
-        with lock:
+        with _UPLOADING, lock:  # this process's streams queue without a timeout; other processes with one
             crashpoints.hit("upload-locked")
             copied = upload(src, ctx.target_dir, pending.name, pending.size, ctx.bucket)
     except filelock.Timeout:
@@ -398,12 +405,59 @@ def _payload_of(ctx: _Ctx, pending: Pending) -> int:
         return 0
 
 
+def stream_workers(streams: int) -> int:
+    """How many streams one sync builds at once: one per CPU this process may run on, at most
+    MAX_STREAM_WORKERS (each builder holds a compression context and a read buffer, ~10 MiB: bench
+    (e)), never more than there are streams. Uploads stay one at a time per node (the upload lock)."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = os.cpu_count() or 1
+    return max(1, min(streams, cpus, MAX_STREAM_WORKERS))
+
+
+def _sync_one(config: StagingConfig, layout: Layout, sr: StreamReport, final: bool, node_id: str, tb: Bucket,
+              say: Progress, zstd_threads: int) -> None:
+    stream = sr.stream
+    ts = time.monotonic()
+    try:
+        root, kind, rank = stream_root(layout, stream, node_id)
+        ctx = _Ctx(config, layout, stream, node_id, root, kind, rank, tb, say, sr, zstd_threads)
+        layout.locks_dir.mkdir(parents=True, exist_ok=True)
+        lock = filelock.FileLock(os.fspath(layout.stream_lock(stream)), timeout=config.lock_timeout)
+        try:
+            lock.acquire()
+        except filelock.Timeout:
+            raise LockTimeout(
+                f"another sync of stream {stream} held {layout.stream_lock(stream)} for more than "
+                f"OPGUARD_SYNC_LOCK_TIMEOUT={config.lock_timeout:g} s; nothing was uploaded by this sync",
+                "let the running sync finish (or raise OPGUARD_SYNC_LOCK_TIMEOUT); a lock timeout never "
+                "starts a second upload") from None
+        try:
+            crashpoints.hit("locked")
+            _sync_stream(ctx, final)
+        finally:
+            lock.release()
+    except OpguardError as err:
+        sr.fail(err)
+    except OSError as e:
+        where = e.filename or f"under OPGUARD_LOCAL_DUMP_BASE or {staging_of(config).bundles}"
+        sr.fail(PublishError(f"stream {stream}: {e.strerror or e} (errno {e.errno}, {where})",
+                             "fix the file or directory named; nothing partial was published and the next "
+                             "sync retries"))
+    sr.seconds = time.monotonic() - ts
+
+
 def sync_streams(config: StagingConfig, layout: Layout, streams: Sequence[str], *, final: bool = False,
-                 node_id: str, progress: Progress | None = None, bucket: Bucket | None = None) -> SyncReport:
+                 node_id: str, progress: Progress | None = None, bucket: Bucket | None = None,
+                 workers: int | None = None) -> SyncReport:
     """Sync each stream (periodic: at most one batch each; ``final``: drain and seal).
 
-    Errors are recorded per stream (``StreamReport.error``/``exit_code``) and never stop the
-    other streams; identity errors that concern the whole staging base apply to every stream.
+    Streams are independent (their own lock, checkpoint, pending batch and target directory): up
+    to ``workers`` (default :func:`stream_workers`) are scanned and built at once, in threads
+    (reading, hashing and compressing release the GIL); their uploads take turns. Errors are
+    recorded per stream (``StreamReport.error``/``exit_code``) and never stop the other streams;
+    identity errors that concern the whole staging base apply to every stream.
     """
     t0 = time.monotonic()
     say: Progress = progress or (lambda _msg: None)
@@ -425,35 +479,18 @@ def sync_streams(config: StagingConfig, layout: Layout, streams: Sequence[str], 
         report.seconds = time.monotonic() - t0
         return report
     tb: Bucket = bucket if bucket is not None else TokenBucket(config.rate_bytes_per_s)
-    for stream in streams:
-        sr = StreamReport(stream)
-        report.streams.append(sr)
-        ts = time.monotonic()
-        try:
-            root, kind, rank = stream_root(layout, stream, node_id)
-            ctx = _Ctx(config, layout, stream, node_id, root, kind, rank, tb, say, sr)
-            layout.locks_dir.mkdir(parents=True, exist_ok=True)
-            lock = filelock.FileLock(os.fspath(layout.stream_lock(stream)), timeout=config.lock_timeout)
-            try:
-                lock.acquire()
-            except filelock.Timeout:
-                raise LockTimeout(
-                    f"another sync of stream {stream} held {layout.stream_lock(stream)} for more than "
-                    f"OPGUARD_SYNC_LOCK_TIMEOUT={config.lock_timeout:g} s; nothing was uploaded by this sync",
-                    "let the running sync finish (or raise OPGUARD_SYNC_LOCK_TIMEOUT); a lock timeout never "
-                    "starts a second upload") from None
-            try:
-                crashpoints.hit("locked")
-                _sync_stream(ctx, final)
-            finally:
-                lock.release()
-        except OpguardError as err:
-            sr.fail(err)
-        except OSError as e:
-            where = e.filename or f"under OPGUARD_LOCAL_DUMP_BASE or {staging_of(config).bundles}"
-            sr.fail(PublishError(f"stream {stream}: {e.strerror or e} (errno {e.errno}, {where})",
-                                 "fix the file or directory named; nothing partial was published and the next "
-                                 "sync retries"))
-        sr.seconds = time.monotonic() - ts
+    report.streams = [StreamReport(stream) for stream in streams]
+    n = stream_workers(len(streams)) if workers is None else max(1, min(workers, len(streams)))
+    zthreads = ZSTD_THREADS if n == 1 else 0
+
+    def one(sr: StreamReport) -> None:
+        _sync_one(config, layout, sr, final, node_id, tb, say, zthreads)
+
+    if n == 1:
+        for sr in report.streams:
+            one(sr)
+    else:
+        with ThreadPoolExecutor(max_workers=n, thread_name_prefix="opguard-sync") as pool:
+            list(pool.map(one, report.streams))
     report.seconds = time.monotonic() - t0
     return report
