@@ -60,14 +60,14 @@ SYNC_IGNORES = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGINT, s
 
 
 def _sync_child_preexec(ignore: tuple[signal.Signals, ...]) -> None:  # in the sync child before exec
-    os.setpriority(os.PRIO_PROCESS, 0, 19)  # it never runs at normal priority
+    os.setpriority(os.PRIO_PROCESS, 0, 19)  # it never runs at normal priority...
+    lower_priority(os.getpid())  # ...nor at normal I/O priority, from its first instruction on
     for s in ignore:
         signal.signal(s, signal.SIG_IGN)
 
 
 def lower_priority(pid: int) -> None:
-    """Idle I/O class (best-effort class, lowest level, where idle is refused); nice 19 is set
-    before exec (``_sync_child_preexec``)."""
+    """Idle I/O class (best-effort class, lowest level, where idle is refused)."""
     try:
         p = psutil.Process(pid)
         try:
@@ -171,7 +171,6 @@ class Sidecar:
             proc = subprocess.Popen(argv, env=self.env, stdin=subprocess.DEVNULL, stdout=err, stderr=err,
                                     start_new_session=True,
                                     preexec_fn=functools.partial(_sync_child_preexec, self._ignored()))
-        lower_priority(proc.pid)
         self.running = RunningSync(self.count, final, proc, time.monotonic(), report, errpath)
         return self.running
 

@@ -310,6 +310,14 @@ def test_a_step_wide_warning_signal_does_not_kill_the_drain(staging_env: dict[st
     syncs = final_sync()
     assert syncs, "the wrapper exited before its final drain could be signalled"
     sync = syncs[0]
+    # set before exec, so from its first instruction: nice 19, idle I/O, the step's signals ignored
+    assert sync.nice() == 19
+    io = sync.ionice()
+    assert io.ioclass == psutil.IOPRIO_CLASS_IDLE or (io.ioclass == psutil.IOPRIO_CLASS_BE and io.value == 7), io
+    ignored = int(next(x for x in Path(f"/proc/{sync.pid}/status").read_text().splitlines()
+                       if x.startswith("SigIgn:")).split()[1], 16)
+    for s in (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP, signal.SIGINT):
+        assert ignored >> (int(s) - 1) & 1, f"{s.name} is not ignored by the sync"
     for s in (signal.SIGUSR1, signal.SIGTERM, signal.SIGUSR2, signal.SIGHUP, signal.SIGINT):  # as slurmstepd would
         sync.send_signal(s)
     p.send_signal(signal.SIGUSR1)

@@ -185,3 +185,32 @@ def test_wrapper_sigkilled_mid_drain_exit_hook_finishes(cluster: Cluster, workdi
     for s in victims:
         seqs = sorted(int(p.name[:12]) for p in (streams / s).glob("*.ogb"))
         assert seqs == list(range(1, len(seqs) + 1)), (s, seqs)
+
+
+def test_time_limit_without_a_warning_signal_the_countdown_drains(cluster: Cluster, workdir: Path) -> None:
+    """A job submitted without --signal: the wrappers ask Slurm for the job's end time (squeue %e,
+    never cached) and start the final drain when the time left falls to what the backlog needs
+    (at least 30 s), so every rank stream is sealed before the time limit's SIGTERM."""
+    run = Run(cluster, workdir, "countdown")
+    script = workdir / "no-signal.sbatch"
+    text = (Path(__file__).parents[2] / "slurm" / "srun-per-rank.sbatch").read_text()
+    assert "#SBATCH --signal=" in text
+    script.write_text("\n".join(x for x in text.splitlines() if not x.startswith("#SBATCH --signal=")) + "\n")
+    env = run.env("--steps 100000 --sleep 0.2 --pad 500 --file-every 25", interval=20)
+    job_id = cluster.sbatch(script, "-o", str(workdir / "job-%j.out"), "-N", "3", "--ntasks-per-node=1",
+                            "-t", "1", env=env)
+    job = cluster.wait(job_id, timeout=240)
+    assert job.state == "TIMEOUT", job.fields
+    reports = launcher_reports(run)
+    assert len(reports) == 3, reports
+    t_term = min(s["at"] for rep in reports for s in rep["signals"] if s["signal"] == "SIGTERM")
+    for rep in reports:
+        assert not any(s["signal"] == "SIGUSR1" for s in rep["signals"]), rep["signals"]  # no warning came
+        assert rep["drain"]["reason"].startswith("job ends in"), rep["drain"]
+    sealed = {int(p.parent.name.split("-")[1]) for p in (run.target / ".opguard-bundles" / "streams").glob(
+        "rank-*/*.seal") if json.loads(p.read_text())["sealed_at"] < t_term}
+    assert sealed == {0, 1, 2}, "the countdown's drain did not seal every rank stream before SIGTERM"
+    restored = run.restore()
+    for r, (_node, d) in run.local_rank_dirs().items():
+        pub = [x["step"] for x in records(restored / "ranks" / f"rank-{r:06d}" / "trace.jsonl")]
+        assert len(pub) > 10 and pub == list(range(pub[0], pub[0] + len(pub))), pub[:20]
