@@ -14,11 +14,13 @@ import os
 import secrets
 from array import array
 from collections import Counter
+from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
-from opguard.compare.diff import MISMATCH, OK, UNALIGNED, diff_pair
+from opguard.compare.diff import MISMATCH, OK, UNALIGNED, Diff, diff_pair
 from opguard.compare.opevents import OpEncoder
 from opguard.compare.pairing import NO_ANCHOR, NO_CORRESPONDING_FILE, Pairing, pair_streams
 from opguard.compare.perfetto_export import ROW_NS, ExportWriter
@@ -101,10 +103,6 @@ def _collective_anchors(a: _Index, b: _Index) -> None:
             seen[kid] += 1
 
 
-def record_id(run: str, rec: Record, stream: str) -> str:
-    return f"{run}/rank{rec.rank}/{stream}/{rec.index}"
-
-
 def _where(rec: Record) -> str:
     return f"{rec.file or '?'}:{rec.line if rec.line is not None else '?'}"
 
@@ -145,48 +143,110 @@ def _start(rows: array[int], r0: int, r1: int, idx: _Index) -> tuple[int, tuple[
     return -1, (0, 0)
 
 
+_Item = tuple[int, int, int, dict[str, Any]] | Record
+_MALFORMED = (KeyError, TypeError, ValueError, AttributeError)
+
+
+class _Side:
+    """One stream's operations in pass 2, from the first operation of a range of rows. Capture
+    records stay parsed JSON (encoded straight from it); a :class:`Record` is built only for a pair
+    whose recorded slots differ (the diff) or a record the fast encoder refuses."""
+
+    def __init__(self, em: OpEncoder, st: Stream, run: str, track: int, rows: array[int], r0: int, r1: int,
+                 idx: _Index) -> None:
+        self.em, self.st, self.run, self.track = em, st, run, track
+        first, self.pos = _start(rows, r0, r1, idx)
+        self.capture = st.kind == KIND_CAPTURE
+        it: Iterator[_Item] = iter(())
+        if first >= 0:
+            it = st.capture_ops(self.pos) if self.capture else st.records(first, self.pos)
+        self.next = it.__next__
+
+    def rid(self, index: int) -> bytes:
+        return self.em.record_id(self.run, self.st.name, self.st.rank, index)
+
+    def record(self, item: _Item, index: int) -> Record:
+        if isinstance(item, Record):
+            return item
+        fi, n, off, obj = item
+        return self.st.capture_record(obj, index, self.st.where(fi, n, off, self.pos))
+
+    def emit(self, ts: int, item: _Item, index: int, corr: tuple[str, str, str], other: bytes | None,
+             d: Diff | None, flow_out: int | None = None, flow_in: int | None = None,
+             slots: bytes | None = None) -> bytes:
+        em, st = self.em, self.st
+        if not isinstance(item, Record):
+            try:
+                return em.capture_op(self.track, ts, self.run, st.name, st.rank, index, item[3], st.sites, st.dumps,
+                                     corr, other, d, flow_out, flow_in, slots)
+            except _MALFORMED:
+                pass        # the Record path reports what is wrong with it (or encodes what it accepts)
+        return em.op(self.track, ts, self.run, st.name, self.record(item, index), corr, other, d, flow_out, flow_in,
+                     None if not isinstance(item, Record) else slots)
+
+
+def _slots_equal(x: _Item, y: _Item, dumps: bool) -> bool:
+    """Every recorded field of the slots equal (then the diff is ok and the encoding can be shared)."""
+    if isinstance(x, Record) or isinstance(y, Record):
+        return isinstance(x, Record) and isinstance(y, Record) and x.inputs == y.inputs and x.outputs == y.outputs
+    a, b = x[3], y[3]
+    return not dumps and a.get("inputs") == b.get("inputs") and a.get("outputs") == b.get("outputs") and \
+        a.get("error") == b.get("error")
+
+
 def _run_rows(job: _Job, r0: int, r1: int, writer: ExportWriter) -> _Chunk:
     em = OpEncoder(writer)
     out = _Chunk()
     sa, sb, pairing = job.sa, job.sb, job.pairing
-    i0, pos_a = _start(job.rows_a, r0, r1, job.ia)
-    j0, pos_b = _start(job.rows_b, r0, r1, job.ib)
-    recs_a = sa.records(i0, pos_a) if i0 >= 0 else iter(())
-    recs_b = sb.records(j0, pos_b) if j0 >= 0 else iter(())
-    ta, tb = job.tracks
+    rows_a, rows_b = job.rows_a, job.rows_b
+    side_a = _Side(em, sa, "A", job.tracks[0], rows_a, r0, r1, job.ia)
+    side_b = _Side(em, sb, "B", job.tracks[1], rows_b, r0, r1, job.ib)
+    next_a, next_b = side_a.next, side_b.next
+    dumps = bool(sa.dumps or sb.dumps)
+    basis_a, reason_a, reason_b = pairing.basis_a, pairing.reason_a, pairing.reason_b
+    ok_corr: dict[str, tuple[str, str, str]] = {}
+    status, basis_count = out.status, out.basis
     for row in range(r0, r1):
-        i, j = job.rows_a[row], job.rows_b[row]
-        ra = next(recs_a) if i >= 0 else None
-        rb = next(recs_b) if j >= 0 else None
+        i, j = rows_a[row], rows_b[row]
         ts = row * ROW_NS
-        if ra is not None and rb is not None:
-            rid_a, rid_b = record_id("A", ra, sa.name), record_id("B", rb, sb.name)
-            basis = pairing.basis_a[i] or ""
-            d = diff_pair(ra, rb)
+        if i >= 0 and j >= 0:
+            xa, xb = next_a(), next_b()
+            rid_a, rid_b = side_a.rid(i), side_b.rid(j)
+            basis = basis_a[i] or ""
             flow = job.flow_base + row + 1
-            slots = em.op(ta, ts, "A", sa.name, ra, rid_a, {"state": "paired", "other": rid_b, "basis": basis},
-                          d.status, d, flow_out=flow)
-            same = ra.inputs == rb.inputs and ra.outputs == rb.outputs     # every recorded field equal
-            em.op(tb, ts, "B", sb.name, rb, rid_b, {"state": "paired", "other": rid_a, "basis": basis},
-                  d.status, d, flow_in=flow, slots=slots if same else None)
-            out.status[d.status] += 1
-            out.basis[basis] += 1
+            if _slots_equal(xa, xb, dumps):
+                corr = ok_corr.get(basis)
+                if corr is None:
+                    corr = ok_corr[basis] = ("paired", basis, OK)
+                slots = side_a.emit(ts, xa, i, corr, rid_b, None, flow_out=flow)
+                side_b.emit(ts, xb, j, corr, rid_a, None, flow_in=flow, slots=slots)
+                status[OK] += 1
+                basis_count[basis] += 1
+                continue
+            ra, rb = side_a.record(xa, i), side_b.record(xb, j)
+            d = diff_pair(ra, rb)
+            corr = ("paired", basis, d.status)
+            side_a.emit(ts, ra, i, corr, rid_b, d, flow_out=flow)
+            side_b.emit(ts, rb, j, corr, rid_a, d, flow_in=flow)
+            status[d.status] += 1
+            basis_count[basis] += 1
             if d.status == MISMATCH:
-                fm = FirstMismatch(rid_a, rid_b, ra.function, _where(ra), d.fields, d.numeric, out.unresolved)
+                fm = FirstMismatch(rid_a.decode("utf-8", "surrogatepass"), rid_b.decode("utf-8", "surrogatepass"),
+                                   ra.function, _where(ra), d.fields, d.numeric, out.unresolved)
                 if out.first_mismatch is None:
                     out.first_mismatch = fm
                 if d.inputs_equal and out.first_equal_input_mismatch is None:
                     out.first_equal_input_mismatch = fm
             continue
-        rec = ra if ra is not None else rb
-        assert rec is not None
-        side = "A" if ra is not None else "B"
-        reason = (pairing.reason_a if side == "A" else pairing.reason_b)[rec.index] or ""
-        stream = sa.name if side == "A" else sb.name
-        em.op(ta if side == "A" else tb, ts, side, stream, rec, record_id(side, rec, stream),
-              {"state": "undetermined", "reason": reason}, UNALIGNED, None)
-        (out.reasons_a if side == "A" else out.reasons_b)[reason] += 1
-        out.status[UNALIGNED] += 1
+        if i >= 0:
+            reason = reason_a[i] or ""
+            side_a.emit(ts, next_a(), i, ("undetermined", reason, UNALIGNED), None, None)
+            out.reasons_a[reason] += 1
+        else:
+            reason = reason_b[j] or ""
+            side_b.emit(ts, next_b(), j, ("undetermined", reason, UNALIGNED), None, None)
+            out.reasons_b[reason] += 1
+        status[UNALIGNED] += 1
         out.unresolved += 1
     out.slices, out.flows = writer.slices, writer.flows
     return out
@@ -308,9 +368,9 @@ def _compare_stream(writer: ExportWriter, sa: Stream, sb: Stream, tracks: tuple[
 def _export_only(writer: ExportWriter, side: str, st: Stream, track: int, summ: StreamSummary) -> None:
     em = OpEncoder(writer)
     n = 0
+    corr = ("undetermined", NO_CORRESPONDING_FILE, UNALIGNED)
     for rec in st.records():
-        em.op(track, rec.index * ROW_NS, side, st.name, rec, record_id(side, rec, st.name),
-              {"state": "undetermined", "reason": NO_CORRESPONDING_FILE}, UNALIGNED, None)
+        em.op(track, rec.index * ROW_NS, side, st.name, rec, corr, None, None)
         n += 1
     summ.notes.extend(f"run {side}: {note}" for note in st.notes)
     if side == "A":

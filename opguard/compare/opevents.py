@@ -1,7 +1,12 @@
 """Encoding of one operation's slice (its typed annotations), tuned for millions of operations.
 
-Low-cardinality values (run, stream, status, dtype, shape, device, call sites) are encoded once
-and reused; digests and statistics are encoded directly. The structure is exactly what
+Every annotation is built as framed bytes (``TrackEvent.debug_annotations`` fields) from cached
+pieces: the run/rank/stream block per stream, the call-site block per distinct call site, the
+correspondence/status blocks per basis, reason and status, and per tensor slot a cached head
+(name, dtype, shape, device) around which only the digest, dump and statistics are encoded.
+Capture records are encoded straight from their parsed JSON (:meth:`OpEncoder.capture_op`, no
+:class:`~opguard.compare.records.Record` is built); other records through :meth:`OpEncoder.op`.
+Both produce the same bytes for the same observations. The structure is exactly what
 ``docs/compare.md`` §5 lists; :func:`opguard.compare.perfetto_export.read_export` reads it back.
 """
 
@@ -12,18 +17,45 @@ from typing import Any
 
 from opguard.compare.diff import MISMATCH, Diff
 from opguard.compare.perfetto_export import ExportWriter
-from opguard.compare.protoenc import F, uv
-from opguard.compare.records import Record, Slot
+from opguard.compare.protoenc import F, uv, varint
+from opguard.compare.records import Record, Site, SiteCache, Slot, capture_stats
+
+_E = F.E_ANNOTATION
+_DD = F.D_DICT
+_DS = F.D_STRING
+_DI = F.D_INT
+
+
+def _frame(a: bytes) -> bytes:
+    """An annotation framed as a TrackEvent.debug_annotations field."""
+    return _E + uv(len(a)) + a
+
+
+def _entry(e: bytes) -> bytes:
+    """A dict entry framed as a DebugAnnotation.dict_entries field."""
+    return _DD + uv(len(e)) + e
+
+
+def _int_shape(v: Any) -> tuple[int, ...] | None:
+    if v.__class__ is list and all(x.__class__ is int for x in v):
+        return tuple(v)
+    return None
 
 
 class OpEncoder:
     def __init__(self, writer: ExportWriter) -> None:
         self.w = writer
         self.ann = writer.ann
-        self.flow = 0
         self._cache: dict[tuple[str, object], bytes] = {}
         self._names: dict[str, bytes] = {}
-        self._packers: dict[tuple[str, ...], tuple[struct.Struct, list[bytes]]] = {}
+        self._packers: dict[tuple[str, ...], tuple[struct.Struct, bytes, list[object]]] = {}
+        self._blocks: dict[object, bytes] = {}
+        self._heads: dict[tuple[str, str, int], tuple[bytes, bytes, bytes]] = {}
+        self._corrs: dict[tuple[str, str, str], tuple[bytes, bytes, bytes]] = {}
+        self._fnames: dict[str, bytes] = {}
+        self._sites: dict[tuple[Any, ...], tuple[Site, bytes, bytes]] = {}
+        self._slot_heads: dict[tuple[Any, ...], tuple[bytes, bytes]] = {}
+        self._digest_pre: dict[tuple[str, int], bytes] = {}
 
     # ---- primitives (name bytes from the writer's interning) ----
     def _n(self, name: str) -> bytes:
@@ -34,7 +66,16 @@ class OpEncoder:
 
     def _s(self, name: str, value: str) -> bytes:
         v = value.encode("utf-8", "surrogatepass")
-        return self._n(name) + F.D_STRING + uv(len(v)) + v
+        return self._n(name) + _DS + uv(len(v)) + v
+
+    def _sb(self, name: str, v: bytes) -> bytes:
+        """A string annotation whose value is already UTF-8 (framed as a dict entry)."""
+        pre = self._digest_pre.get((name, len(v)))
+        if pre is None:
+            n = self._n(name)
+            pre = self._digest_pre[(name, len(v))] = _DD + uv(len(n) + len(_DS) + len(uv(len(v))) + len(v)) + \
+                n + _DS + uv(len(v))
+        return pre + v
 
     def _cs(self, name: str, value: object) -> bytes:
         """A cached annotation for a low-cardinality value."""
@@ -44,104 +85,222 @@ class OpEncoder:
             b = self._cache[key] = self.ann.value(name, value)
         return b
 
-    def _i(self, name: str, value: int) -> bytes:
-        return self.ann.i(name, value)
+    def _int(self, name: str, value: int) -> bytes:
+        """A framed int annotation."""
+        a = self._n(name) + _DI + varint(value)
+        return _E + uv(len(a)) + a
 
     def _dict(self, name: str, entries: list[bytes]) -> bytes:
         out = [self._n(name)]
         for e in entries:
-            out.append(F.D_DICT + uv(len(e)) + e)
+            out.append(_DD + uv(len(e)) + e)
         return b"".join(out)
 
-    def _meta(self, s: Slot) -> bytes:
-        """dtype, shape and device entries of a slot (framed), cached per distinct combination."""
-        key = ("meta", (s.dtype, s.shape, s.device))
-        b = self._cache.get(key)
+    # ---- cached blocks ----
+    def _head(self, run: str, stream: str, rank: int) -> tuple[bytes, bytes, bytes]:
+        """(record_id prefix, record_id annotation name, framed run/rank/stream annotations) of a stream."""
+        key = (run, stream, rank)
+        h = self._heads.get(key)
+        if h is None:
+            h = self._heads[key] = (f"{run}/rank{rank}/{stream}/".encode("utf-8", "surrogatepass"),
+                                    self._n("record_id") + _DS,
+                                    _frame(self._cs("run", run)) + self._int("rank", rank) +
+                                    _frame(self._cs("stream", stream)))
+        return h
+
+    def _site_block(self, file: str | None, line: int | None, scope: str | None, line_digest: str | None,
+                    ident: str, context: str, collective: bool) -> bytes:
+        """Framed callsite, context and collective annotations, cached per distinct call site."""
+        key = ("site", file, line, scope, line_digest, ident, context, collective)
+        b = self._blocks.get(key)
         if b is None:
-            parts = []
-            if s.dtype is not None:
-                parts.append(self._cs("dtype", s.dtype))
-            if s.shape is not None:
-                parts.append(self._cs("shape", str(list(s.shape))))
-            if s.device is not None:
-                parts.append(self._cs("device", s.device))
-            b = self._cache[key] = b"".join(F.D_DICT + uv(len(e)) + e for e in parts)
+            cs: dict[str, Any] = {"file": file, "line": line, "scope": scope, "line_sha256": line_digest,
+                                  "identity": ident}
+            b = _frame(self.ann.value("callsite", cs))
+            if context:
+                b += _frame(self._cs("context", context))
+            if collective:
+                b += _frame(self._cs("collective", True))
+            self._blocks[key] = b
         return b
 
-    def _stats(self, stats: dict[str, float]) -> bytes:
-        """The stats entry (framed): one struct.pack per distinct key order."""
+    def _corr(self, state: str, basis_or_reason: str, status: str) -> tuple[bytes, bytes, bytes]:
+        """(correspondence prefix, suffix, framed validation/status) for one state, basis or reason and
+        status; a pair's ``other`` entry goes between prefix and suffix."""
+        key = (state, basis_or_reason, status)
+        b = self._corrs.get(key)
+        if b is None:
+            pre = self._n("correspondence") + _entry(self._cs("state", state))
+            if state == "paired":
+                post = _entry(self._cs("basis", basis_or_reason))
+                tail = _frame(self._cs("validation", "unreviewed")) + _frame(self._cs("status", status))
+            else:
+                post = _entry(self._cs("reason", basis_or_reason))
+                tail = _frame(self._cs("status", status))
+            b = self._corrs[key] = (pre, post, tail)
+        return b
+
+    def _meta(self, dtype: str | None, shape: tuple[int, ...] | None, device: str | None) -> bytes:
+        """dtype, shape and device entries of a slot (framed)."""
+        parts = []
+        if dtype is not None:
+            parts.append(self._cs("dtype", dtype))
+        if shape is not None:
+            parts.append(self._cs("shape", str(list(shape))))
+        if device is not None:
+            parts.append(self._cs("device", device))
+        return b"".join(_DD + uv(len(e)) + e for e in parts)
+
+    def _slot_head(self, name: str, dtype: str | None, shape: tuple[int, ...] | None,
+                   device: str | None) -> tuple[bytes, bytes]:
+        key = (name, dtype, shape, device)
+        h = self._slot_heads.get(key)
+        if h is None:
+            h = self._slot_heads[key] = (self._n(name), self._meta(dtype, shape, device))
+        return h
+
+    def _stats(self, stats: dict[str, Any]) -> bytes:
+        """The stats entry (framed): one struct.pack per record (values must be numbers)."""
         keys = tuple(stats)
         packer = self._packers.get(keys)
         if packer is None:
-            consts = [F.D_DICT + uv(len(self._n(k)) + 1 + 8) + self._n(k) + F.D_DOUBLE for k in keys]
-            fmt = "<" + "".join(f"{len(c)}sd" for c in consts)
-            packer = self._packers[keys] = (struct.Struct(fmt), consts)
-        st, consts = packer
-        args: list[object] = []
-        for c, v in zip(consts, stats.values(), strict=True):
-            args.append(c)
-            args.append(v)
-        body = self._n("stats") + st.pack(*args)
-        return F.D_DICT + uv(len(body)) + body
+            consts = [_DD + uv(len(self._n(k)) + 1 + 8) + self._n(k) + F.D_DOUBLE for k in keys]
+            st = struct.Struct("<" + "".join(f"{len(c)}sd" for c in consts))
+            body_len = len(self._n("stats")) + st.size
+            args: list[object] = [x for c in consts for x in (c, 0.0)]
+            packer = self._packers[keys] = (st, _DD + uv(body_len) + self._n("stats"), args)
+        st, pre, args = packer
+        args[1::2] = stats.values()
+        return pre + st.pack(*args)
 
+    # ---- slots ----
     def _slot(self, s: Slot) -> bytes:
-        out = [self._n(s.name)]
+        name, meta = self._slot_head(s.name, s.dtype, s.shape, s.device)
+        out = [name]
         if s.digest is not None:
-            e = self._s("digest", s.digest)
-            out.append(F.D_DICT + uv(len(e)) + e)
-        out.append(self._meta(s))
+            out.append(self._sb("digest", s.digest.encode("utf-8", "surrogatepass")))
+        out.append(meta)
         if s.dump is not None:
-            e = self._s("dump", s.dump)
-            out.append(F.D_DICT + uv(len(e)) + e)
+            out.append(self._sb("dump", s.dump.encode("utf-8", "surrogatepass")))
         if s.stats:
             out.append(self._stats(s.stats))
         return b"".join(out)
 
-    def _callsite(self, rec: Record) -> bytes:
-        key = ("callsite", (rec.file, rec.line, rec.scope, rec.line_digest, rec.site))
-        b = self._cache.get(key)
-        if b is None:
-            cs: dict[str, Any] = {"file": rec.file, "line": rec.line, "scope": rec.scope,
-                                  "line_sha256": rec.line_digest, "identity": rec.site}
-            b = self._cache[key] = self.ann.value("callsite", cs)
-        return b
+    def _raw_slots(self, kind: str, raw: Any, prefix: str, dumps: dict[str, str] | None,
+                   error: Any = None) -> bytes:
+        """The framed ``inputs``/``outputs`` annotation of capture slot dicts (docs/capture.md §3);
+        the same bytes as :meth:`_slot` over :func:`~opguard.compare.records.capture_slot`."""
+        out = []
+        heads = self._slot_heads
+        for i, s in enumerate(raw or ()):
+            name = s.get("slot")
+            if name.__class__ is not str:
+                name = str(s.get("slot", f"{prefix}{i}"))
+            dt = s.get("dtype")
+            dv = s.get("device")
+            key = (name, dt if dt.__class__ is str else None, _int_shape(s.get("shape")),
+                   dv if dv.__class__ is str else None)
+            h = heads.get(key)
+            if h is None:
+                h = self._slot_head(*key)
+            d = s.get("digest")
+            b = h[0] + self._sb("digest", d.encode("utf-8", "surrogatepass")) + h[1] if d.__class__ is str else \
+                h[0] + h[1]
+            if dumps is not None:
+                dump = dumps.get(name)
+                if dump is not None:
+                    b += self._sb("dump", dump.encode("utf-8", "surrogatepass"))
+            st = s.get("stats")
+            if st is not None:
+                try:
+                    if st:
+                        b += self._stats(st)
+                except (struct.error, TypeError, AttributeError):
+                    norm = capture_stats(st)
+                    if norm:
+                        b += self._stats(norm)
+            out.append(_DD + uv(len(b)) + b)
+        if error:
+            b = self._n("error") + self._sb("digest", str(error).encode("utf-8", "surrogatepass"))
+            if dumps is not None and dumps.get("error") is not None:
+                b += self._sb("dump", dumps["error"].encode("utf-8", "surrogatepass"))
+            out.append(_DD + uv(len(b)) + b)
+        if not out:
+            return b""
+        a = b"".join((self._n(kind), *out))
+        return _E + uv(len(a)) + a
 
-    def op(self, track: int, ts: int, run: str, stream: str, rec: Record, rid: str,
-           correspondence: dict[str, Any], status: str, diff: Diff | None,
-           flow_out: int | None = None, flow_in: int | None = None,
-           slots: tuple[bytes, bytes] | None = None) -> tuple[bytes, bytes]:
-        """Emit the slice; returns the encoded (inputs, outputs) annotations, which the caller may
-        pass back as ``slots`` for another record whose slots are equal in every field."""
-        anns = [self._s("record_id", rid), self._cs("run", run), self._i("rank", rec.rank),
-                self._cs("stream", stream), self._i("index", rec.index)]
-        if rec.seq is not None:
-            anns.append(self._i("seq", int(rec.seq)))
-        if rec.step is not None:
-            anns.append(self._i("step", int(rec.step)))
-        anns.append(self._callsite(rec))
-        if rec.context:
-            anns.append(self._cs("context", rec.context))
-        if rec.collective:
-            anns.append(self._cs("collective", True))
-        corr = [self._cs("state", correspondence["state"])]
-        for k in ("other", "basis", "reason"):
-            v = correspondence.get(k)
-            if v is not None:
-                corr.append(self._s(k, str(v)) if k == "other" else self._cs(k, v))
-        anns.append(self._dict("correspondence", corr))
-        if correspondence["state"] == "paired":
-            anns.append(self._cs("validation", "unreviewed"))
-        anns.append(self._cs("status", status))
+    # ---- one operation ----
+    def _common(self, run: str, stream: str, rank: int, index: int, seq: Any, step: Any, site_block: bytes,
+                corr: tuple[str, str, str], other: bytes | None, diff: Diff | None) -> tuple[bytes, list[bytes]]:
+        """(record_id bytes, framed annotations up to the slots)."""
+        prefix, rid, block = self._head(run, stream, rank)
+        ridb = prefix + b"%d" % index
+        a = rid + uv(len(ridb)) + ridb
+        parts = [_E + uv(len(a)) + a, block, self._int("index", index)]
+        if seq is not None:
+            parts.append(self._int("seq", int(seq)))
+        if step is not None:
+            parts.append(self._int("step", int(step)))
+        parts.append(site_block)
+        pre, post, tail = self._corr(*corr)
+        c = pre + self._sb("other", other) + post if other is not None else pre + post
+        parts.append(_E + uv(len(c)) + c)
+        parts.append(tail)
         if diff is not None and diff.status == MISMATCH:
             dd: dict[str, object] = {"fields": ", ".join(diff.fields), "inputs_equal": diff.inputs_equal}
             dd.update(diff.numeric)
-            anns.append(self.ann.value("diff", dd))
+            parts.append(_frame(self.ann.value("diff", dd)))
+        return ridb, parts
+
+    def capture_op(self, track: int, ts: int, run: str, stream: str, rank: int, index: int, obj: dict[str, Any],
+                   sites: SiteCache, dumps: dict[int, dict[str, str]], corr: tuple[str, str, str],
+                   other: bytes | None, diff: Diff | None, flow_out: int | None = None, flow_in: int | None = None,
+                   slots: bytes | None = None) -> bytes:
+        """Emit the slice of a capture ``op`` record straight from its JSON object; returns the encoded
+        slot annotations, which the caller may pass back as ``slots`` for a record whose slots are
+        equal in every field. Raises KeyError/TypeError/ValueError/AttributeError on a malformed record
+        (the caller then takes the :class:`Record` path, which reports it)."""
+        raw = (obj["fn"], obj.get("file"), obj.get("line"), obj.get("src"), obj.get("func"), obj.get("module"),
+               obj.get("context"), obj.get("phase"), obj.get("api"))
+        ent = self._sites.get(raw)
+        if ent is None:
+            site = sites.get(obj)
+            ent = self._sites[raw] = (site, self._site_block(site.file, site.line, site.scope, site.line_digest,
+                                                             site.site, site.context, site.collective),
+                                      F.E_NAME + uv(len(fb := site.function.encode("utf-8", "surrogatepass"))) + fb)
+        if obj["rank"].__class__ is not int:
+            raise TypeError("rank")
+        seq: Any = obj.get("seq")
+        _ridb, parts = self._common(run, stream, rank, index, seq, obj.get("step"), ent[1], corr, other, diff)
         if slots is None:
-            slots = (self._dict("inputs", [self._slot(s) for s in rec.inputs]) if rec.inputs else b"",
-                     self._dict("outputs", [self._slot(s) for s in rec.outputs]) if rec.outputs else b"")
-        anns.extend(x for x in slots if x)
-        tag = F.E_ANNOTATION
-        framed = b"".join([tag + uv(len(a)) + a for a in anns])
-        self.w.slice_framed(track, ts, rec.function, framed, flows_out=() if flow_out is None else (flow_out,),
-                            flows_in=() if flow_in is None else (flow_in,))
+            d = dumps.get(seq) if dumps else None
+            slots = self._raw_slots("inputs", obj.get("inputs"), "in", d) + \
+                self._raw_slots("outputs", obj.get("outputs"), "out", d, obj.get("error"))
+        parts.append(slots)
+        self.w.slice_named(track, ts, ent[2], b"".join(parts), flow_out, flow_in)
         return slots
+
+    def op(self, track: int, ts: int, run: str, stream: str, rec: Record, corr: tuple[str, str, str],
+           other: bytes | None, diff: Diff | None, flow_out: int | None = None, flow_in: int | None = None,
+           slots: bytes | None = None) -> bytes:
+        """Emit the slice of a :class:`Record`; returns (and takes) slots as :meth:`capture_op` does."""
+        block = self._site_block(rec.file, rec.line, rec.scope, rec.line_digest, rec.site, rec.context,
+                                 rec.collective)
+        _ridb, parts = self._common(run, stream, rec.rank, rec.index, rec.seq, rec.step, block, corr, other, diff)
+        if slots is None:
+            ins = [self._slot(s) for s in rec.inputs]
+            outs = [self._slot(s) for s in rec.outputs]
+            slots = (_frame(self._dict("inputs", ins)) if ins else b"") + \
+                (_frame(self._dict("outputs", outs)) if outs else b"")
+        parts.append(slots)
+        name = self._fnames.get(rec.function)
+        if name is None:
+            fb = rec.function.encode("utf-8", "surrogatepass")
+            name = self._fnames[rec.function] = F.E_NAME + uv(len(fb)) + fb
+        self.w.slice_named(track, ts, name, b"".join(parts), flow_out, flow_in)
+        return slots
+
+    def record_id(self, run: str, stream: str, rank: int, index: int) -> bytes:
+        """The record_id of an operation, UTF-8 (``<run>/rank<R>/<stream>/<index>``)."""
+        return self._head(run, stream, rank)[0] + b"%d" % index

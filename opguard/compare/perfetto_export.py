@@ -22,12 +22,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from opguard.compare.protoenc import Annotations, F, decode_annotation, ld, uv, vfield
+from opguard.compare.protoenc import Annotations, F, decode_annotation, ld, uv, varint, vfield
 from opguard.errors import ConfigError
 
 ROW_NS = 1000
 SLICE_NS = 800
 SEQ_ID = 1
+
+_PACKET, _TS, _EVENT = F.TRACE_PACKET, F.P_TIMESTAMP, F.P_TRACK_EVENT
+_FLOW_OUT, _FLOW_IN = F.E_FLOW, F.E_TERMINATING_FLOW
+_NEEDS_STATE = vfield(F.P_SEQ_FLAGS, F.SEQ_NEEDS_INCREMENTAL_STATE)
+_pack_q = struct.Struct("<Q").pack
 
 
 class ExportWriter:
@@ -50,6 +55,7 @@ class ExportWriter:
         self._f = open(self.tmp, "wb", buffering=1 << 20)  # noqa: SIM115 (closed in commit/abort)
         self.ann = Annotations()
         self._uuid = 0
+        self._track_parts: dict[int, tuple[bytes, bytes, bytes]] = {}
         self.slices = 0
         self.flows = 0
         self._write(vfield(F.P_SEQ_ID, seq_id) + vfield(F.P_SEQ_FLAGS, F.SEQ_INCREMENTAL_STATE_CLEARED))
@@ -101,6 +107,32 @@ class ExportWriter:
         self._write(pkt + vfield(F.P_SEQ_FLAGS, F.SEQ_NEEDS_INCREMENTAL_STATE))
         end = vfield(F.E_TYPE, F.SLICE_END) + vfield(F.E_TRACK, track)
         self._write(vfield(F.P_TIMESTAMP, ts + SLICE_NS) + ld(F.P_TRACK_EVENT, end) + seq)
+        self.slices += 1
+
+    def slice_named(self, track: int, ts: int, name_field: bytes, framed: bytes, flow_out: int | None,
+                    flow_in: int | None) -> None:
+        """:meth:`slice_framed` for one operation: the TrackEvent name field already encoded, at most
+        one flow out and one in. The same bytes, with per-track parts cached."""
+        parts = self._track_parts.get(track)
+        if parts is None:
+            seq = vfield(F.P_SEQ_ID, self.seq_id)
+            end = vfield(F.E_TYPE, F.SLICE_END) + vfield(F.E_TRACK, track)
+            parts = self._track_parts[track] = (vfield(F.E_TYPE, F.SLICE_BEGIN) + vfield(F.E_TRACK, track), seq,
+                                                ld(F.P_TRACK_EVENT, end) + seq)
+        begin, seq, end_tail = parts
+        ev = begin + name_field + framed
+        if flow_out is not None:
+            ev += _FLOW_OUT + _pack_q(flow_out)
+            self.flows += 1
+        if flow_in is not None:
+            ev += _FLOW_IN + _pack_q(flow_in)
+        pkt = _TS + varint(ts) + _EVENT + uv(len(ev)) + ev + seq
+        ann = self.ann
+        if ann.has_new():
+            pkt += ld(F.P_INTERNED, ann.take_new_names())
+        pkt += _NEEDS_STATE
+        end = _TS + varint(ts + SLICE_NS) + end_tail
+        self._f.write(_PACKET + uv(len(pkt)) + pkt + _PACKET + uv(len(end)) + end)
         self.slices += 1
 
     def append_part(self, part: Path, slices: int, flows: int) -> None:

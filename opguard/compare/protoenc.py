@@ -20,6 +20,8 @@ def _num(msg: Any, name: str) -> int:
 
 
 def varint(n: int) -> bytes:
+    if 0 <= n < _N_SMALL:
+        return _SMALL[n]
     if n < 0:
         n += 1 << 64
     out = bytearray()
@@ -30,11 +32,22 @@ def varint(n: int) -> bytes:
     return bytes(out)
 
 
-_SMALL = [varint(i) for i in range(1024)]
+def _varint_slow(n: int) -> bytes:
+    out = bytearray()
+    while n > 0x7F:
+        out.append((n & 0x7F) | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+_N_SMALL = 1 << 14
+_SMALL = [_varint_slow(i) for i in range(_N_SMALL)]
 
 
 def uv(n: int) -> bytes:
-    return _SMALL[n] if 0 <= n < 1024 else varint(n)
+    """An unsigned varint (a length, a small count)."""
+    return _SMALL[n] if 0 <= n < _N_SMALL else varint(n)
 
 
 def tag(field: int, wire: int) -> bytes:
@@ -117,6 +130,9 @@ class Annotations:
             self._iid[name] = b
             self._new.append(ld(F.I_ANNOTATION_NAMES, F.N_IID + uv(iid) + ld(F.N_NAME, name.encode())))
         return b
+
+    def has_new(self) -> bool:
+        return bool(self._new)
 
     def take_new_names(self) -> bytes:
         if not self._new:

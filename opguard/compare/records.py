@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import orjson
+
 from opguard.errors import ConfigError
 
 COLLECTIVE_PREFIXES = ("torch.distributed.", "dist.", "c10d.", "_c10d_functional.", "torch.ops.c10d")
@@ -135,7 +137,7 @@ def _shape(v: Any) -> tuple[int, ...] | None:
     return None
 
 
-def _stats(v: Any) -> dict[str, float] | None:
+def capture_stats(v: Any) -> dict[str, float] | None:
     if not isinstance(v, Mapping):
         return None
     try:
@@ -156,7 +158,7 @@ def _str(v: Any) -> str | None:
 def capture_slot(raw: Mapping[str, Any], default_name: str) -> Slot:
     stats = raw.get("stats")
     return Slot(str(raw.get("slot", default_name)), _str(raw.get("digest")), _str(raw.get("dtype")),
-                _shape(raw.get("shape")), _str(raw.get("device")), None if stats is None else _stats(stats))
+                _shape(raw.get("shape")), _str(raw.get("device")), None if stats is None else capture_stats(stats))
 
 
 def capture_context(obj: Mapping[str, Any]) -> str:
@@ -307,9 +309,23 @@ def from_reference(obj: Mapping[str, Any], sources: SourceIndex | None, where: s
                           "pass an exec_trace directory written by the reference implementation") from None
 
 
-def iter_jsonl(path: Path, start: int = 0) -> Iterator[tuple[str, int, dict[str, Any]]]:
-    """(where, byte offset, object) for every complete record of a JSON-lines file from ``start``;
-    ``where`` is ``path:line`` (``path@offset`` when reading from the middle). A bad line is an error."""
+def loads(line: bytes) -> Any:
+    """One JSON value: orjson, or the standard library for what orjson refuses (``NaN`` literals,
+    integers beyond 64 bits, lone surrogates), so both accept the same input and raise ValueError."""
+    try:
+        return orjson.loads(line)
+    except orjson.JSONDecodeError:
+        return json.loads(line)
+
+
+def jsonl_where(path: Path, n: int, offset: int, start: int) -> str:
+    """How a record is named in messages: ``path:line`` (``path@offset`` when read from the middle)."""
+    return f"{path}:{n}" if start == 0 else f"{path}@{offset}"
+
+
+def iter_jsonl(path: Path, start: int = 0) -> Iterator[tuple[int, int, dict[str, Any]]]:
+    """(line number, byte offset, object) for every complete record of a JSON-lines file from
+    ``start`` (name it with :func:`jsonl_where`). A bad line is an error."""
     with open(path, "rb") as f:
         f.seek(start)
         offset = start
@@ -318,19 +334,18 @@ def iter_jsonl(path: Path, start: int = 0) -> Iterator[tuple[str, int, dict[str,
             n += 1
             here = offset
             offset += len(line)
-            if not line.endswith(b"\n"):
+            if line[-1:] != b"\n":
                 break                       # an incomplete trailing record (still being written)
-            if not line.strip():
-                continue
             try:
-                obj = json.loads(line)
+                obj = loads(line)
             except ValueError as e:
-                where = f"{path}:{n}" if start == 0 else f"{path}@{here}"
-                raise ConfigError(f"{where}: not a JSON record ({e})",
+                if not line.strip():
+                    continue
+                raise ConfigError(f"{jsonl_where(path, n, here, start)}: not a JSON record ({e})",
                                   "repair or remove the damaged line; compare reads only complete records") from None
             if obj.__class__ is not dict:
                 raise ConfigError(f"{path}@{here}: a record must be a JSON object", "repair or remove the line")
-            yield (f"{path}:{n}" if start == 0 else f"{path}@{here}"), here, obj
+            yield n, here, obj
 
 
 def finite(x: float | None) -> bool:

@@ -37,6 +37,7 @@ from opguard.compare.records import (
     from_capture,
     from_reference,
     iter_jsonl,
+    jsonl_where,
 )
 from opguard.errors import ConfigError, IdentityError, IntegrityError, OpguardError
 
@@ -72,32 +73,38 @@ class Stream:
     def key(self) -> tuple[int, str]:
         return (self.rank, self.name)
 
-    def _capture_ops(self, start: tuple[int, int] = (0, 0)) -> Iterator[tuple[str, int, int, dict[str, Any]]]:
-        """(where, file index, byte offset, record) of the ``op`` records of a capture stream, from
-        ``start`` = (file index, byte offset). Read from the beginning, dump, cap and end records
-        and gaps in ``seq`` are collected (``dumps``, ``notes``)."""
+    def where(self, fi: int, n: int, offset: int, start: tuple[int, int] = (0, 0)) -> str:
+        """How record (file index, line number, byte offset) is named in messages, read from ``start``."""
+        return jsonl_where(self.files[fi], n, offset, start[1] if fi == start[0] else 0)
+
+    def capture_ops(self, start: tuple[int, int] = (0, 0)) -> Iterator[tuple[int, int, int, dict[str, Any]]]:
+        """(file index, line number, byte offset, record) of the ``op`` records of a capture stream,
+        from ``start`` = (file index, byte offset) (name one with :meth:`where`). Read from the
+        beginning, dump, cap and end records and gaps in ``seq`` are collected (``dumps``, ``notes``)."""
         from_start = start == (0, 0)
         expect_seq: int | None = None
         if from_start:
             self.notes.clear()
         ended = False
+        rank = self.rank
         for fi in range(start[0], len(self.files)):
-            path = self.files[fi]
-            for where, offset, obj in iter_jsonl(path, start[1] if fi == start[0] else 0):
-                kind = obj.get("kind")
+            for n, offset, obj in iter_jsonl(self.files[fi], start[1] if fi == start[0] else 0):
                 if obj.get("v") != CAPTURE_VERSION:
-                    raise IdentityError(f"{where}: capture record version {obj.get('v')!r}; this opguard reads "
-                                        f"version {CAPTURE_VERSION}", "upgrade opguard to compare this run")
+                    raise IdentityError(f"{self.where(fi, n, offset, start)}: capture record version "
+                                        f"{obj.get('v')!r}; this opguard reads version {CAPTURE_VERSION}",
+                                        "upgrade opguard to compare this run")
+                kind = obj.get("kind")
                 if kind == "op":
-                    if obj.get("rank") != self.rank:
-                        raise ConfigError(f"{where}: record of rank {obj.get('rank')!r} in the directory of "
-                                          f"rank {self.rank}", "a rank directory must hold only its own records")
+                    if obj.get("rank") != rank:
+                        raise ConfigError(f"{self.where(fi, n, offset, start)}: record of rank {obj.get('rank')!r} "
+                                          f"in the directory of rank {rank}",
+                                          "a rank directory must hold only its own records")
                     seq = obj.get("seq")
                     if from_start and seq.__class__ is int:
                         if expect_seq is not None and seq > expect_seq:
                             self.notes.append(f"records seq {expect_seq}..{seq - 1} are missing (a crash lost them)")
                         expect_seq = seq + 1
-                    yield where, fi, offset, obj
+                    yield fi, n, offset, obj
                 elif not from_start:
                     continue
                 elif kind == "dump":
@@ -118,13 +125,24 @@ class Stream:
                 yield (rec.key(), rec.line_key(), rec.anchor_text(), rec.collective, rec.line_digest is not None,
                        0, 0)
             return
-        for where, fi, offset, obj in self._capture_ops():
+        for fi, n, offset, obj in self.capture_ops():
             try:
                 site, text = capture_index_fields(obj, self.sites)
             except (KeyError, TypeError, ValueError, AttributeError) as e:
-                raise ConfigError(f"{where}: not an opguard capture op record ({type(e).__name__}: {e})",
+                raise ConfigError(f"{self.where(fi, n, offset)}: not an opguard capture op record "
+                                  f"({type(e).__name__}: {e})",
                                   "pass a trace directory written by opguard capture (docs/capture.md)") from None
             yield site.key, site.line_key, text, site.collective, site.line_digest is not None, fi, offset
+
+    def capture_record(self, obj: dict[str, Any], index: int, where: str) -> Record:
+        """A capture op record as a :class:`Record`, with its tensor dumps."""
+        rec = from_capture(obj, index, self.sites, where)
+        dumps = self.dumps
+        if dumps and rec.seq in dumps:
+            slots = dumps[rec.seq]
+            for slot in (*rec.inputs, *rec.outputs):
+                slot.dump = slots.get(slot.name)
+        return rec
 
     def records(self, first: int = 0, start: tuple[int, int] = (0, 0)) -> Iterator[Record]:
         """Operations in execution order; ``first``/``start``: resume at operation ``first``, which
@@ -134,19 +152,14 @@ class Stream:
                 if rec.index >= first:
                     yield rec
             return
-        dumps = self.dumps
-        for index, (where, _fi, _off, obj) in enumerate(self._capture_ops(start), first):
-            rec = from_capture(obj, index, self.sites, where)
-            if dumps and rec.seq in dumps:
-                slots = dumps[rec.seq]
-                for slot in (*rec.inputs, *rec.outputs):
-                    slot.dump = slots.get(slot.name)
-            yield rec
+        for index, (fi, n, offset, obj) in enumerate(self.capture_ops(start), first):
+            yield self.capture_record(obj, index, self.where(fi, n, offset, start))
 
     def _reference_records(self) -> Iterator[Record]:
         recs: list[Record] = []
         for path in self.files:
-            for where, _off, obj in iter_jsonl(path):
+            for n, _off, obj in iter_jsonl(path):
+                where = jsonl_where(path, n, _off, 0)
                 rec = from_reference(obj, self.sources, where)
                 if rec.rank != self.rank:
                     raise ConfigError(f"{where}: record of gpu_rank {rec.rank} under gpu_{self.rank:03d}",

@@ -1,0 +1,120 @@
+"""The fast encoder of capture records (straight from JSON) writes what the Record path writes.
+
+The engine encodes capture ``op`` records without building a Record; a Record is built only for
+diffs and for records the fast path refuses. Both must give the same view for every record shape
+the capture schema (docs/capture.md §3) and the normalisation in records.py allow.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from opguard.compare.opevents import OpEncoder
+from opguard.compare.perfetto_export import ExportWriter, read_export
+from opguard.compare.records import SiteCache, from_capture
+from tests.compare import synth
+
+
+def _records() -> list[dict[str, Any]]:
+    base = synth.op(7, "torch.matmul", 13, "h = torch.matmul(x, w)", ["d1", "d2"], ["d3"], step=2)
+    recs = [base]
+    r = copy.deepcopy(base)
+    r["outputs"][0]["stats"] = {"min": "-inf", "max": "inf", "mean": "nan", "std": 1, "absmax": True}
+    recs.append(r)
+    r = copy.deepcopy(base)
+    r["outputs"][0]["stats"] = {"min": "1.5", "max": "abc", "mean": None, "std": 2.5}   # only numbers, "nan", "inf"
+    recs.append(r)
+    r = copy.deepcopy(base)
+    r["inputs"][0]["shape"] = [True, 4]
+    r["inputs"][1]["shape"] = [4.0, 4]
+    r["outputs"][0]["shape"] = "4x4"
+    recs.append(r)
+    r = copy.deepcopy(base)
+    del r["inputs"][0]["slot"]
+    r["inputs"][1]["slot"] = None
+    del r["outputs"][0]["slot"]
+    recs.append(r)
+    r = copy.deepcopy(base)
+    r["error"] = "RuntimeError: boom"
+    r["outputs"] = []
+    recs.append(r)
+    r = copy.deepcopy(base)
+    r["inputs"][0]["dtype"] = 5
+    r["inputs"][0]["device"] = ["cpu"]
+    r["inputs"][1]["digest"] = 17
+    r["outputs"][0]["stats"] = {}
+    recs.append(r)
+    r = copy.deepcopy(base)
+    r["outputs"][0]["stats"] = [1, 2]
+    r["inputs"] = None
+    del r["seq"]
+    del r["step"]
+    recs.append(r)
+    r = copy.deepcopy(base)
+    r.update(module="model.layers.3", context="micro-batch 2", phase="backward", api="collective",
+             fn="torch.distributed.all_reduce")
+    recs.append(r)
+    r = copy.deepcopy(base)
+    r["seq"] = 8
+    r["inputs"][0]["digest"] = "d\u00e9j\u00e0"
+    recs.append(r)
+    return recs
+
+
+DUMPS = {7: {"arg0": "/r/dumps/7-arg0.npy", "error": "/r/dumps/7-error.npy"}, 8: {"out": "/r/dumps/8-out.npy"}}
+
+
+def _write(path: Path, fast: bool, recs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    w = ExportWriter(path, {"opguard.export": "test"})
+    em = OpEncoder(w)
+    sites = SiteCache(None)
+    track = w.track("rank 0", order=0)
+    for k, obj in enumerate(recs):
+        corr = ("paired", "input-anchor", "ok") if k % 2 else ("undetermined", "segment-differs", "unaligned")
+        other = b"B/rank0/capture/%d" % k if k % 2 else None
+        flow = k + 1 if k % 2 else None
+        if fast:
+            em.capture_op(track, k * 1000, "A", "capture", 0, k, obj, sites, DUMPS, corr, other, None, flow_out=flow)
+        else:
+            rec = from_capture(obj, k, sites, "test")
+            if rec.seq in DUMPS:
+                for slot in (*rec.inputs, *rec.outputs):
+                    slot.dump = DUMPS[rec.seq].get(slot.name)
+            em.op(track, k * 1000, "A", "capture", rec, corr, other, None, flow_out=flow)
+    w.commit()
+    return [{"name": op.name, "ts": op.ts, "flows": op.flows_out, **op.args} for op in read_export(path).ops]
+
+
+def test_fast_capture_encoding_equals_record_encoding(tmp_path: Path) -> None:
+    recs = _records()
+    fast = _write(tmp_path / "fast.pftrace", True, recs)
+    slow = _write(tmp_path / "slow.pftrace", False, recs)
+    assert len(fast) == len(recs)
+    for f, s in zip(fast, slow, strict=True):
+        assert repr(f) == repr(s)        # repr: a NaN statistic is not equal to itself
+    # the normalisations are visible, so the comparison above covers them
+    assert fast[1]["outputs"]["out"]["stats"]["mean"] != fast[1]["outputs"]["out"]["stats"]["mean"]   # nan
+    assert fast[2]["outputs"]["out"]["stats"] == {"std": 2.5}
+    assert "shape" not in fast[3]["inputs"]["arg0"] and "shape" not in fast[3]["outputs"]["out"]
+    assert set(fast[4]["inputs"]) == {"in0", "None"} and set(fast[4]["outputs"]) == {"out0"}
+    assert fast[5]["outputs"]["error"] == {"digest": "RuntimeError: boom", "dump": "/r/dumps/7-error.npy"}
+    assert fast[0]["inputs"]["arg0"]["dump"] == "/r/dumps/7-arg0.npy"
+    assert fast[9]["outputs"]["out"]["dump"] == "/r/dumps/8-out.npy"
+    assert "seq" not in fast[7] and "inputs" not in fast[7]
+    assert fast[8]["collective"] is True and fast[8]["context"].endswith("backward")
+
+
+@pytest.mark.parametrize("bad", [{"rank": "0"}, {"inputs": [3]}, {"outputs": {"out": {}}}])
+def test_fast_encoder_refuses_what_the_record_path_must_judge(tmp_path: Path, bad: dict[str, Any]) -> None:
+    """A malformed record raises in the fast encoder (the engine then takes the Record path)."""
+    obj = {**_records()[0], **bad}
+    w = ExportWriter(tmp_path / "x.pftrace", {"opguard.export": "test"})
+    em = OpEncoder(w)
+    with pytest.raises((KeyError, TypeError, ValueError, AttributeError)):
+        em.capture_op(1, 0, "A", "capture", 0, 0, obj, SiteCache(None), {}, ("undetermined", "x", "unaligned"),
+                      None, None)
+    w.abort()
