@@ -21,6 +21,7 @@ TABLE_LEN = 1 << TABLE_BITS
 SAMPLE = 4096
 ALGORITHM = "mix64-v1"
 EXACT_F32 = 1 << 24
+PREFIX_ENTRIES = 4096
 
 _INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -103,6 +104,7 @@ class Digester:
         self._blocks: list[int] = [0]
         self._samples: dict[tuple[int, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
         self._scratch: dict[tuple[torch.device, torch.dtype, int], torch.Tensor] = {}
+        self._prefixes: dict[tuple[torch.device, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         fn: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
             "full": self._full, "sample": self._sample, "xor": self._xor}
         self.compute: Callable[[torch.Tensor], torch.Tensor] | None = fn.get(mode)
@@ -173,42 +175,54 @@ class Digester:
         size = t.element_size()
         ratio = 8 // size
         flat = t.reshape(-1)  # a view when the data is contiguous, else a copy in logical order
+        n = flat.numel()
+        if ratio == 1:
+            return flat if flat.dtype == torch.int64 else flat.view(torch.int64)
         if flat.storage_offset() % ratio:
             flat = flat.clone()
-        n = flat.numel()
         full = n - n % ratio
-        head = flat[:full].view(torch.int64)
         if full == n:
-            return head
+            return flat.view(torch.int64)
+        head = flat[:full].view(torch.int64)
         tail = flat[full:].view(torch.uint8)
         pad = torch.zeros(8 - tail.numel(), dtype=torch.uint8, device=t.device)
         return torch.cat([head, torch.cat([tail, pad]).view(torch.int64)])
 
-    def _mix_words(self, words: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        """``S`` over 64-bit words (1-D, <= TABLE_LEN) with weights ``w``; two reusable buffers."""
-        m = words.numel()
-        x = self.scratch(words.device, torch.int64, 0, m)
-        y = self.scratch(words.device, torch.int64, 1, m)
-        torch.bitwise_xor(words, w, out=x)
-        x.mul_(signed(GOLDEN))
-        torch.bitwise_right_shift(x, 32, out=y)
-        x.bitwise_xor_(y)
-        return x.sum()
+    def _prefix(self, device: torch.device, m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(weights, work buffer x, work buffer y) of length ``m`` <= TABLE_LEN: views cached per
+        length, so a tensor costs no slicing dispatches (shapes repeat every step)."""
+        key = (device, m)
+        hit = self._prefixes.get(key)
+        if hit is None:
+            if len(self._prefixes) >= PREFIX_ENTRIES:
+                self._prefixes.clear()
+            hit = (self.table(device)[:m], self.scratch(device, torch.int64, 0, m),
+                   self.scratch(device, torch.int64, 1, m))
+            self._prefixes[key] = hit
+        return hit
 
     def _full(self, t: torch.Tensor) -> torch.Tensor:
         words = self.words(t)
         m = words.numel()
-        table = self.table(words.device)
         if m <= TABLE_LEN:
-            return self._mix_words(words, table[:m])
-        total = torch.zeros((), dtype=torch.int64, device=words.device)
+            w, x, y = self._prefix(words.device, m)
+            torch.bitwise_xor(words, w, out=x)
+            x.mul_(signed(GOLDEN))
+            torch.bitwise_right_shift(x, 32, out=y)
+            x.bitwise_xor_(y)
+            return x.sum()
+        parts = []
         for q, start in enumerate(range(0, m, TABLE_LEN)):
             chunk = words[start:start + TABLE_LEN]
-            w = table[: chunk.numel()]
+            w, x, y = self._prefix(words.device, chunk.numel())
+            torch.bitwise_xor(chunk, w, out=x)
             if q:
-                w = w ^ self.block(q)
-            total = total + self._mix_words(chunk, w)
-        return total
+                x.bitwise_xor_(self.block(q))  # the block constant: (u ^ t ^ b), no weight copy
+            x.mul_(signed(GOLDEN))
+            torch.bitwise_right_shift(x, 32, out=y)
+            x.bitwise_xor_(y)
+            parts.append(x.sum())
+        return torch.stack(parts).sum()
 
     def _sample(self, t: torch.Tensor) -> torch.Tensor:
         v = self.elements(t)
@@ -239,8 +253,19 @@ class Digester:
 STAT_FIELDS = ("min", "max", "sum", "norm", "nonfinite", "inf")
 
 
+_zeros: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+
+
+def _zero(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    z = _zeros.get((dtype, device))
+    if z is None:
+        z = _zeros[(dtype, device)] = torch.zeros((), dtype=dtype, device=device)
+    return z
+
+
 def stats_row(t: torch.Tensor) -> torch.Tensor:
-    """Six values on the device (float64): min, max, sum, 2-norm, non-finite count, Inf count.
+    """Six values on the device: min, max, sum, 2-norm, non-finite count, Inf count (float32 for
+    float32 data of < 2**24 elements, where every value is exact in float32; float64 otherwise).
 
     Only vectorised float passes (no boolean tensors, which are slow to reduce on CPU): the
     non-finite count is the sum of ``nan_to_num(x - x, nan=1)`` (x - x is NaN exactly for NaN and
@@ -255,22 +280,27 @@ def stats_row(t: torch.Tensor) -> torch.Tensor:
         s = x.sum(dtype=acc)
         q = torch.linalg.vector_norm(x, dtype=acc)
         cnt = torch.float32 if x.numel() < EXACT_F32 else torch.float64  # sums of ones stay exact
+        # one stack in a dtype that holds every value exactly; the host squares the norm
+        common = torch.float64 if torch.float64 in (acc, cnt) else x.dtype if x.dtype == torch.float32 else None
         if x.device.type == "cpu" and math.isfinite(s.item()):
             # host memory: reading the sum costs no synchronisation. A finite sum proves there is
             # no NaN and no ±Inf element (either would make it NaN/Inf), so the counting passes
             # are skipped; on accelerators they always run on the device (no host sync).
-            nonfinite = inf = torch.zeros((), dtype=cnt)
+            if common is not None and mn.dtype == common:
+                z = _zero(common, x.device)
+                return torch.stack([mn, mx, s if s.dtype == common else s.to(common),
+                                    q if q.dtype == common else q.to(common), z, z])
+            nonfinite = inf = _zero(cnt, x.device)
         else:
             nonfinite = torch.nan_to_num_(x - x, nan=1.0).sum(dtype=cnt)
             kept = torch.nan_to_num(x, nan=0.0, posinf=math.inf, neginf=-math.inf)
             inf = torch.nan_to_num_(kept - kept, nan=1.0).sum(dtype=cnt)
-        # one stack in a dtype that holds every value exactly, one conversion; the host squares the norm
-        common = torch.float64 if torch.float64 in (acc, cnt) else torch.float32
-        vals = [v if v.dtype == common else v.to(common) for v in (mn, mx, s, q, nonfinite, inf)]
-        return torch.stack(vals).to(torch.float64)
+        row = torch.float64 if common is None else common
+        vals = [v if v.dtype == row else v.to(row) for v in (mn, mx, s, q, nonfinite, inf)]
+        return torch.stack(vals)
     xd = x.to(torch.float64)
     mn, mx = torch.aminmax(xd)
-    zero = torch.zeros((), dtype=torch.float64, device=x.device)
+    zero = _zero(torch.float64, x.device)
     return torch.stack([mn, mx, xd.sum(), torch.linalg.vector_norm(xd), zero, zero])
 
 

@@ -37,6 +37,17 @@ CACHE_ENTRIES = 8192
 TRACE = "capture/trace.jsonl"
 
 
+def _dense(t: torch.Tensor) -> bool:
+    """Non-overlapping and dense: the elements fill exactly ``numel`` consecutive memory slots
+    starting at ``data_ptr`` (strides are never negative), whatever their order."""
+    expect = 1
+    for stride, size in sorted((st, sz) for sz, st in zip(t.shape, t.stride(), strict=True) if sz != 1):
+        if stride != expect:
+            return False
+        expect *= size
+    return True
+
+
 class _Summary:
     """Device-side results for one tensor content version (shared by every use of it)."""
 
@@ -111,23 +122,34 @@ class Session:
     # ---- tensor work --------------------------------------------------------------------------
     def summarize(self, t: torch.Tensor, want_stats: bool, *, fresh: bool = False) -> _Summary | str:
         """Queue digest (+ statistics) of ``t`` on its device, reusing the cached result of this
-        exact content version; a string is the reason there is no data to summarise."""
+        exact content version; a string is the reason there is no data to summarise.
+
+        A contiguous tensor is keyed by its memory range (address, element count, dtype, device,
+        version) rather than its shape: its logical element sequence *is* that range, so every
+        contiguous view of it (``view``, ``reshape``, ``flatten``, ...) has the same digest and
+        statistics. A non-contiguous but dense tensor (e.g. a transpose) covers the same elements
+        as the range it spans: its statistics (order-independent) are reused from that range's
+        entry, only its digest (logical order) is computed."""
         reason = records.plain_data_reason(t)
         if reason is not None:
             return reason
         n = t.numel()
-        key = (t.data_ptr(), t.shape, t.stride(), t.dtype, t.device, t._version)
+        contiguous = t.is_contiguous()
+        if contiguous:
+            key: tuple[Any, ...] = (t.data_ptr(), n, t.dtype, t.device, t._version)
+        else:
+            key = (t.data_ptr(), t.shape, t.stride(), t.dtype, t.device, t._version)
         s = None if fresh or n == 0 else self._cache.get(key)
         if s is not None and (s.stats is not None or not want_stats):
             return s
         self.busy += 1
         try:
-            return self._summarize(t, key, s, n, want_stats)
+            return self._summarize(t, key, s, n, want_stats and bool(n), not contiguous and not fresh)
         finally:
             self.busy -= 1
 
     def _summarize(self, t: torch.Tensor, key: tuple[Any, ...], s: _Summary | None, n: int,
-                   want_stats: bool) -> _Summary:
+                   want_stats: bool, range_stats: bool) -> _Summary:
         with torch.no_grad():
             d = t.detach()
             digest = None
@@ -135,7 +157,13 @@ class Session:
                 digest = s.digest
             elif self.digester.compute is not None:
                 digest = self.digester.compute(d)
-            st = stats_row(d) if want_stats and n else None
+            st = None
+            if want_stats:
+                if range_stats and _dense(t):
+                    same = self._cache.get((t.data_ptr(), n, t.dtype, t.device, t._version))
+                    st = same.stats if same is not None else None
+                if st is None:
+                    st = stats_row(d)
         s = _Summary(digest, st, self.digester.count(d))
         if n:
             self._remember(key, s, t)
@@ -254,14 +282,14 @@ class Session:
 
     @staticmethod
     def _fetch(tensors: list[torch.Tensor], out: dict[Any, Any], ints: bool) -> None:
-        by_dev: dict[torch.device, list[torch.Tensor]] = {}
+        by_dev: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
         seen: set[int] = set()
         for t in tensors:
             if id(t) not in seen:
                 seen.add(id(t))
-                by_dev.setdefault(t.device, []).append(t)
+                by_dev.setdefault((t.device, t.dtype), []).append(t)
         for group in by_dev.values():
-            values = torch.stack(group).cpu().tolist()  # the one host transfer per device and kind
+            values = torch.stack(group).cpu().tolist()  # the one host transfer per device, kind, dtype
             for t, v in zip(group, values, strict=True):
                 out[id(t)] = int(v) if ints else v
 
