@@ -66,6 +66,10 @@ def _index_local(stream: Stream) -> tuple[list[str], _Index]:
     files = array("q")
     offsets = array("q")
     coll: list[int] = []
+    if stream.kind == KIND_CAPTURE:
+        all_digests = _index_capture(stream, intern, keys, line_keys, anchors, coll, files, offsets)
+        return _table(intern), _Index(keys, line_keys, anchors, coll, all_digests, files, offsets, stream.dumps,
+                                      stream.notes)
     all_digests = True
     for key, line_key, text, collective, has_digest, fi, off in stream.index_fields():
         keys.append(_intern(intern, key))
@@ -76,10 +80,61 @@ def _index_local(stream: Stream) -> tuple[list[str], _Index]:
             coll.append(len(keys) - 1)
         files.append(fi)
         offsets.append(off)
+    return _table(intern), _Index(keys, line_keys, anchors, coll, all_digests, files, offsets, stream.dumps,
+                                  stream.notes)
+
+
+def _table(intern: dict[str, int]) -> list[str]:
     table = [""] * (len(intern) + 1)
     for k, v in intern.items():
         table[v] = k
-    return table, _Index(keys, line_keys, anchors, coll, all_digests, files, offsets, stream.dumps, stream.notes)
+    return table
+
+
+_NO_SLOT = object()
+
+
+def _index_capture(stream: Stream, intern: dict[str, int], keys: array[int], line_keys: array[int],
+                   anchors: array[int], coll: list[int], files: array[int], offsets: array[int]) -> bool:
+    """Pass 1 over a capture stream (Stream.index_fields, inlined for speed: the same keys and
+    anchors); returns whether every record has a source-line digest."""
+    sites: dict[tuple[Any, ...], tuple[int, int, bool, bool, str]] = {}
+    all_digests = True
+    for fi, n, off, obj in stream.capture_ops():
+        try:
+            raw = (obj["fn"], obj.get("file"), obj.get("line"), obj.get("src"), obj.get("func"), obj.get("module"),
+                   obj.get("context"), obj.get("phase"), obj.get("api"))
+            ent = sites.get(raw)
+            if ent is None:
+                site = stream.sites.get(obj)
+                ent = sites[raw] = (_intern(intern, site.key), _intern(intern, site.line_key), site.collective,
+                                    site.line_digest is not None, site.function)
+            kid, lkid, collective, has_digest, function = ent
+            anchor = NO_ANCHOR
+            ins = obj.get("inputs")
+            if ins:
+                parts = [function]
+                for k, s in enumerate(ins):
+                    d = s.get("digest")
+                    if d:
+                        name = s.get("slot", _NO_SLOT)
+                        parts.append(f"{f'in{k}' if name is _NO_SLOT else name}={d}")
+                if len(parts) > 1 and not collective:
+                    anchor = anchor_hash("\x00".join(parts))
+        except _MALFORMED as e:
+            raise ConfigError(f"{stream.where(fi, n, off)}: not an opguard capture op record "
+                              f"({type(e).__name__}: {e})",
+                              "pass a trace directory written by opguard capture (docs/capture.md)") from None
+        keys.append(kid)
+        line_keys.append(lkid)
+        anchors.append(anchor)
+        if collective:
+            coll.append(len(keys) - 1)
+        if not has_digest:
+            all_digests = False
+        files.append(fi)
+        offsets.append(off)
+    return all_digests
 
 
 def _globalise(table: list[str], idx: _Index, intern: dict[str, int]) -> _Index:
@@ -171,14 +226,14 @@ class _Side:
         fi, n, off, obj = item
         return self.st.capture_record(obj, index, self.st.where(fi, n, off, self.pos))
 
-    def emit(self, ts: int, item: _Item, index: int, corr: tuple[str, str, str], other: bytes | None,
+    def emit(self, ts: int, item: _Item, index: int, rid: bytes, corr: tuple[str, str, str], other: bytes | None,
              d: Diff | None, flow_out: int | None = None, flow_in: int | None = None,
              slots: bytes | None = None) -> bytes:
         em, st = self.em, self.st
-        if not isinstance(item, Record):
+        if not isinstance(item, Record) and d is None:
             try:
-                return em.capture_op(self.track, ts, self.run, st.name, st.rank, index, item[3], st.sites, st.dumps,
-                                     corr, other, d, flow_out, flow_in, slots)
+                return em.capture_op(self.track, ts, self.run, st.name, st.rank, index, rid, item[3], st.sites,
+                                     st.dumps, corr, other, flow_out, flow_in, slots)
             except _MALFORMED:
                 pass        # the Record path reports what is wrong with it (or encodes what it accepts)
         return em.op(self.track, ts, self.run, st.name, self.record(item, index), corr, other, d, flow_out, flow_in,
@@ -218,16 +273,16 @@ def _run_rows(job: _Job, r0: int, r1: int, writer: ExportWriter) -> _Chunk:
                 corr = ok_corr.get(basis)
                 if corr is None:
                     corr = ok_corr[basis] = ("paired", basis, OK)
-                slots = side_a.emit(ts, xa, i, corr, rid_b, None, flow_out=flow)
-                side_b.emit(ts, xb, j, corr, rid_a, None, flow_in=flow, slots=slots)
+                slots = side_a.emit(ts, xa, i, rid_a, corr, rid_b, None, flow_out=flow)
+                side_b.emit(ts, xb, j, rid_b, corr, rid_a, None, flow_in=flow, slots=slots)
                 status[OK] += 1
                 basis_count[basis] += 1
                 continue
             ra, rb = side_a.record(xa, i), side_b.record(xb, j)
             d = diff_pair(ra, rb)
             corr = ("paired", basis, d.status)
-            side_a.emit(ts, ra, i, corr, rid_b, d, flow_out=flow)
-            side_b.emit(ts, rb, j, corr, rid_a, d, flow_in=flow)
+            side_a.emit(ts, ra, i, rid_a, corr, rid_b, d, flow_out=flow)
+            side_b.emit(ts, rb, j, rid_b, corr, rid_a, d, flow_in=flow)
             status[d.status] += 1
             basis_count[basis] += 1
             if d.status == MISMATCH:
@@ -240,11 +295,11 @@ def _run_rows(job: _Job, r0: int, r1: int, writer: ExportWriter) -> _Chunk:
             continue
         if i >= 0:
             reason = reason_a[i] or ""
-            side_a.emit(ts, next_a(), i, ("undetermined", reason, UNALIGNED), None, None)
+            side_a.emit(ts, next_a(), i, side_a.rid(i), ("undetermined", reason, UNALIGNED), None, None)
             out.reasons_a[reason] += 1
         else:
             reason = reason_b[j] or ""
-            side_b.emit(ts, next_b(), j, ("undetermined", reason, UNALIGNED), None, None)
+            side_b.emit(ts, next_b(), j, side_b.rid(j), ("undetermined", reason, UNALIGNED), None, None)
             out.reasons_b[reason] += 1
         status[UNALIGNED] += 1
         out.unresolved += 1

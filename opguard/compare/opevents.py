@@ -56,6 +56,10 @@ class OpEncoder:
         self._sites: dict[tuple[Any, ...], tuple[Site, bytes, bytes]] = {}
         self._slot_heads: dict[tuple[Any, ...], tuple[bytes, bytes]] = {}
         self._digest_pre: dict[tuple[str, int], bytes] = {}
+        self._dpre: dict[int, bytes] = {}
+        self._ni = self._n("index") + _DI
+        self._nseq = self._n("seq") + _DI
+        self._nstep = self._n("step") + _DI
 
     # ---- primitives (name bytes from the writer's interning) ----
     def _n(self, name: str) -> bytes:
@@ -189,45 +193,63 @@ class OpEncoder:
     def _raw_slots(self, kind: str, raw: Any, prefix: str, dumps: dict[str, str] | None,
                    error: Any = None) -> bytes:
         """The framed ``inputs``/``outputs`` annotation of capture slot dicts (docs/capture.md §3);
-        the same bytes as :meth:`_slot` over :func:`~opguard.compare.records.capture_slot`."""
-        out = []
+        the same bytes as :meth:`_slot` over :func:`~opguard.compare.records.capture_slot`.
+        Strict UTF-8 (a lone surrogate raises ValueError: the Record path takes the record)."""
+        if not raw and not error:
+            return b""
+        out = [self._n(kind)]
         heads = self._slot_heads
+        dpre = self._dpre
+        packers = self._packers
         for i, s in enumerate(raw or ()):
             name = s.get("slot")
             if name.__class__ is not str:
                 name = str(s.get("slot", f"{prefix}{i}"))
             dt = s.get("dtype")
             dv = s.get("device")
-            key = (name, dt if dt.__class__ is str else None, _int_shape(s.get("shape")),
+            sh = s.get("shape")
+            key = (name, dt if dt.__class__ is str else None,
+                   tuple(sh) if sh.__class__ is list and all(x.__class__ is int for x in sh) else None,
                    dv if dv.__class__ is str else None)
             h = heads.get(key)
             if h is None:
                 h = self._slot_head(*key)
             d = s.get("digest")
-            b = h[0] + self._sb("digest", d.encode("utf-8", "surrogatepass")) + h[1] if d.__class__ is str else \
-                h[0] + h[1]
+            if d.__class__ is str:
+                v = d.encode()
+                pre = dpre.get(len(v))
+                if pre is None:
+                    pre = dpre[len(v)] = self._sb("digest", v)[:-len(v) or None]
+                b = h[0] + pre + v + h[1]
+            else:
+                b = h[0] + h[1]
             if dumps is not None:
                 dump = dumps.get(name)
                 if dump is not None:
-                    b += self._sb("dump", dump.encode("utf-8", "surrogatepass"))
+                    b += self._sb("dump", dump.encode())
             st = s.get("stats")
-            if st is not None:
+            if st:
                 try:
-                    if st:
+                    packer = packers.get(tuple(st))
+                    if packer is None:
                         b += self._stats(st)
+                    else:
+                        args = packer[2]
+                        args[1::2] = st.values()
+                        b += packer[1] + packer[0].pack(*args)
                 except (struct.error, TypeError, AttributeError):
                     norm = capture_stats(st)
                     if norm:
                         b += self._stats(norm)
             out.append(_DD + uv(len(b)) + b)
         if error:
-            b = self._n("error") + self._sb("digest", str(error).encode("utf-8", "surrogatepass"))
+            b = self._n("error") + self._sb("digest", str(error).encode())
             if dumps is not None and dumps.get("error") is not None:
-                b += self._sb("dump", dumps["error"].encode("utf-8", "surrogatepass"))
+                b += self._sb("dump", dumps["error"].encode())
             out.append(_DD + uv(len(b)) + b)
-        if not out:
+        if len(out) == 1:
             return b""
-        a = b"".join((self._n(kind), *out))
+        a = b"".join(out)
         return _E + uv(len(a)) + a
 
     # ---- one operation ----
@@ -253,14 +275,15 @@ class OpEncoder:
             parts.append(_frame(self.ann.value("diff", dd)))
         return ridb, parts
 
-    def capture_op(self, track: int, ts: int, run: str, stream: str, rank: int, index: int, obj: dict[str, Any],
-                   sites: SiteCache, dumps: dict[int, dict[str, str]], corr: tuple[str, str, str],
-                   other: bytes | None, diff: Diff | None, flow_out: int | None = None, flow_in: int | None = None,
-                   slots: bytes | None = None) -> bytes:
-        """Emit the slice of a capture ``op`` record straight from its JSON object; returns the encoded
-        slot annotations, which the caller may pass back as ``slots`` for a record whose slots are
-        equal in every field. Raises KeyError/TypeError/ValueError/AttributeError on a malformed record
-        (the caller then takes the :class:`Record` path, which reports it)."""
+    def capture_op(self, track: int, ts: int, run: str, stream: str, rank: int, index: int, ridb: bytes,
+                   obj: dict[str, Any], sites: SiteCache, dumps: dict[int, dict[str, str]],
+                   corr: tuple[str, str, str], other: bytes | None, flow_out: int | None = None,
+                   flow_in: int | None = None, slots: bytes | None = None) -> bytes:
+        """Emit the slice of a capture ``op`` record (no diff: ``ok`` or unresolved) straight from its
+        JSON object; ``ridb`` is its :meth:`record_id`. Returns the encoded slot annotations, which the
+        caller may pass back as ``slots`` for a record whose slots are equal in every field. Raises
+        KeyError/TypeError/ValueError/AttributeError on a record it does not take (the caller then
+        takes the :class:`Record` path, which reports what is wrong with it)."""
         raw = (obj["fn"], obj.get("file"), obj.get("line"), obj.get("src"), obj.get("func"), obj.get("module"),
                obj.get("context"), obj.get("phase"), obj.get("api"))
         ent = self._sites.get(raw)
@@ -271,8 +294,24 @@ class OpEncoder:
                                       F.E_NAME + uv(len(fb := site.function.encode("utf-8", "surrogatepass"))) + fb)
         if obj["rank"].__class__ is not int:
             raise TypeError("rank")
+        _prefix, rid, block = self._head(run, stream, rank)
+        a = rid + uv(len(ridb)) + ridb
+        v = varint(index)
+        ni = self._ni
+        parts = [_E + uv(len(a)) + a, block, _E + uv(len(ni) + len(v)) + ni + v]
         seq: Any = obj.get("seq")
-        _ridb, parts = self._common(run, stream, rank, index, seq, obj.get("step"), ent[1], corr, other, diff)
+        if seq is not None:
+            v = varint(int(seq))
+            parts.append(_E + uv(len(self._nseq) + len(v)) + self._nseq + v)
+        step = obj.get("step")
+        if step is not None:
+            v = varint(int(step))
+            parts.append(_E + uv(len(self._nstep) + len(v)) + self._nstep + v)
+        parts.append(ent[1])
+        pre, post, tail = self._corr(*corr)
+        c = pre + self._sb("other", other) + post if other is not None else pre + post
+        parts.append(_E + uv(len(c)) + c)
+        parts.append(tail)
         if slots is None:
             d = dumps.get(seq) if dumps else None
             slots = self._raw_slots("inputs", obj.get("inputs"), "in", d) + \

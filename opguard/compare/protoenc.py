@@ -20,16 +20,14 @@ def _num(msg: Any, name: str) -> int:
 
 
 def varint(n: int) -> bytes:
+    """A varint (a negative int as its 64-bit two's complement, as protobuf's int64)."""
     if 0 <= n < _N_SMALL:
         return _SMALL[n]
+    if 0 < n < _N_SMALL2:                       # timestamps and indices: two table lookups
+        return _CONT[n & 0x3FFF] + (_SMALL[n >> 14] if n < _N_SMALL3 else _CONT[(n >> 14) & 0x3FFF] + _SMALL[n >> 28])
     if n < 0:
         n += 1 << 64
-    out = bytearray()
-    while n > 0x7F:
-        out.append((n & 0x7F) | 0x80)
-        n >>= 7
-    out.append(n)
-    return bytes(out)
+    return _varint_slow(n)
 
 
 def _varint_slow(n: int) -> bytes:
@@ -42,7 +40,10 @@ def _varint_slow(n: int) -> bytes:
 
 
 _N_SMALL = 1 << 14
+_N_SMALL3 = 1 << 28
+_N_SMALL2 = 1 << 42
 _SMALL = [_varint_slow(i) for i in range(_N_SMALL)]
+_CONT = [bytes((b[0] | 0x80, (b[1] if len(b) > 1 else 0) | 0x80)) for b in _SMALL]   # 14 bits, more follow
 
 
 def uv(n: int) -> bytes:

@@ -323,9 +323,18 @@ def jsonl_where(path: Path, n: int, offset: int, start: int) -> str:
     return f"{path}:{n}" if start == 0 else f"{path}@{offset}"
 
 
+def bad_line(path: Path, n: int, offset: int, start: int, error: ValueError | None) -> ConfigError:
+    """The error for a line that is not a JSON object (``error``: the parser's, if it did not parse)."""
+    if error is None:
+        return ConfigError(f"{path}@{offset}: a record must be a JSON object", "repair or remove the line")
+    return ConfigError(f"{jsonl_where(path, n, offset, start)}: not a JSON record ({error})",
+                       "repair or remove the damaged line; compare reads only complete records")
+
+
 def iter_jsonl(path: Path, start: int = 0) -> Iterator[tuple[int, int, dict[str, Any]]]:
     """(line number, byte offset, object) for every complete record of a JSON-lines file from
-    ``start`` (name it with :func:`jsonl_where`). A bad line is an error."""
+    ``start`` (name it with :func:`jsonl_where`). A bad line is an error; blank lines are skipped;
+    an incomplete trailing record (still being written) ends the file."""
     with open(path, "rb") as f:
         f.seek(start)
         offset = start
@@ -335,16 +344,15 @@ def iter_jsonl(path: Path, start: int = 0) -> Iterator[tuple[int, int, dict[str,
             here = offset
             offset += len(line)
             if line[-1:] != b"\n":
-                break                       # an incomplete trailing record (still being written)
+                break
             try:
                 obj = loads(line)
             except ValueError as e:
                 if not line.strip():
                     continue
-                raise ConfigError(f"{jsonl_where(path, n, here, start)}: not a JSON record ({e})",
-                                  "repair or remove the damaged line; compare reads only complete records") from None
+                raise bad_line(path, n, here, start, e) from None
             if obj.__class__ is not dict:
-                raise ConfigError(f"{path}@{here}: a record must be a JSON object", "repair or remove the line")
+                raise bad_line(path, n, here, start, None)
             yield n, here, obj
 
 

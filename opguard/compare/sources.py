@@ -33,11 +33,13 @@ from opguard.compare.records import (
     Record,
     SiteCache,
     SourceIndex,
+    bad_line,
     capture_index_fields,
     from_capture,
     from_reference,
     iter_jsonl,
     jsonl_where,
+    loads,
 )
 from opguard.errors import ConfigError, IdentityError, IntegrityError, OpguardError
 
@@ -88,32 +90,52 @@ class Stream:
         ended = False
         rank = self.rank
         for fi in range(start[0], len(self.files)):
-            for n, offset, obj in iter_jsonl(self.files[fi], start[1] if fi == start[0] else 0):
-                if obj.get("v") != CAPTURE_VERSION:
-                    raise IdentityError(f"{self.where(fi, n, offset, start)}: capture record version "
-                                        f"{obj.get('v')!r}; this opguard reads version {CAPTURE_VERSION}",
-                                        "upgrade opguard to compare this run")
-                kind = obj.get("kind")
-                if kind == "op":
-                    if obj.get("rank") != rank:
-                        raise ConfigError(f"{self.where(fi, n, offset, start)}: record of rank {obj.get('rank')!r} "
-                                          f"in the directory of rank {rank}",
-                                          "a rank directory must hold only its own records")
-                    seq = obj.get("seq")
-                    if from_start and seq.__class__ is int:
-                        if expect_seq is not None and seq > expect_seq:
-                            self.notes.append(f"records seq {expect_seq}..{seq - 1} are missing (a crash lost them)")
-                        expect_seq = seq + 1
-                    yield fi, n, offset, obj
-                elif not from_start:
-                    continue
-                elif kind == "dump":
-                    self.dumps.setdefault(int(obj["seq"]), {})[str(obj["slot"])] = str(self.rank_dir / obj["path"])
-                elif kind == "cap":
-                    self.notes.append(f"capture reached its size cap at step {obj.get('step')} "
-                                      f"(seq {obj.get('seq')}): later operations were not recorded")
-                elif kind == "end":
-                    ended = True
+            path = self.files[fi]
+            first = start[1] if fi == start[0] else 0
+            with open(path, "rb") as f:     # iter_jsonl inlined: one generator less per operation
+                f.seek(first)
+                offset = first
+                for n, line in enumerate(f, 1):
+                    here = offset
+                    offset += len(line)
+                    if line[-1:] != b"\n":
+                        break
+                    try:
+                        obj = loads(line)
+                    except ValueError as e:
+                        if not line.strip():
+                            continue
+                        raise bad_line(path, n, here, first, e) from None
+                    if obj.__class__ is not dict:
+                        raise bad_line(path, n, here, first, None)
+                    if obj.get("v") != CAPTURE_VERSION:
+                        raise IdentityError(f"{jsonl_where(path, n, here, first)}: capture record version "
+                                            f"{obj.get('v')!r}; this opguard reads version {CAPTURE_VERSION}",
+                                            "upgrade opguard to compare this run")
+                    kind = obj.get("kind")
+                    if kind == "op":
+                        if obj.get("rank") != rank:
+                            raise ConfigError(f"{jsonl_where(path, n, here, first)}: record of rank "
+                                              f"{obj.get('rank')!r} in the directory of rank {rank}",
+                                              "a rank directory must hold only its own records")
+                        if from_start:
+                            seq = obj.get("seq")
+                            if seq.__class__ is int:
+                                if expect_seq is not None and seq > expect_seq:
+                                    self.notes.append(f"records seq {expect_seq}..{seq - 1} are missing "
+                                                      "(a crash lost them)")
+                                expect_seq = seq + 1
+                        yield fi, n, here, obj
+                    elif not from_start:
+                        continue
+                    elif kind == "dump":
+                        self.dumps.setdefault(int(obj["seq"]), {})[str(obj["slot"])] = \
+                            str(self.rank_dir / obj["path"])
+                    elif kind == "cap":
+                        self.notes.append(f"capture reached its size cap at step {obj.get('step')} "
+                                          f"(seq {obj.get('seq')}): later operations were not recorded")
+                    elif kind == "end":
+                        ended = True
         if from_start and not ended:
             self.notes.append("no end record: the capture did not end cleanly (the trace may be incomplete)")
 
