@@ -73,7 +73,7 @@ class CaptureMode(TorchFunctionMode):
             with self:
                 return redispatch_function(func, types, args, kwargs)  # type: ignore[no-untyped-call]
         site = s.sites.lookup(sys._getframe(1))
-        call = s.begin("function", name, site)
+        call = s.begin("function", name, site, where=(module, context))
         ins = input_slots(args, kwargs, name.startswith("Tensor."))
         s.inputs(call, ins)
         if s.policy.enabled and not s.parents and s.policy.wants(s.step, name, module, context, site):

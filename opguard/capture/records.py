@@ -73,8 +73,22 @@ def _compute_name(func: Any) -> tuple[str, bool]:
     return f"{module}.{qual}", fname in METADATA_METHODS
 
 
+_dtype_names: dict[torch.dtype, str] = {}
+_device_names: dict[torch.device, str] = {}
+
+
 def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
+    name = _dtype_names.get(dtype)
+    if name is None:
+        name = _dtype_names[dtype] = str(dtype).removeprefix("torch.")
+    return name
+
+
+def device_name(device: torch.device) -> str:
+    name = _device_names.get(device)
+    if name is None:
+        name = _device_names[device] = str(device)
+    return name
 
 
 def plain_data_reason(t: torch.Tensor) -> str | None:
@@ -100,5 +114,9 @@ def json_float(x: float) -> float | str:
     return "nan" if x != x else ("inf" if x > 0 else "-inf")
 
 
+_ENCODER = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+
+
 def encode(obj: dict[str, Any]) -> bytes:
-    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode() + b"\n"
+    """One compact JSON line (the encoder is built once: ``json.dumps`` with options builds one per call)."""
+    return (_ENCODER.encode(obj) + "\n").encode()

@@ -16,7 +16,6 @@ import time
 import weakref
 from collections import OrderedDict
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -51,20 +50,24 @@ def _dense(t: torch.Tensor) -> bool:
 class _Summary:
     """Device-side results for one tensor content version (shared by every use of it)."""
 
-    __slots__ = ("digest", "n", "stats")
+    __slots__ = ("digest", "hex", "n", "stats", "values")
 
     def __init__(self, digest: torch.Tensor | None, stats: torch.Tensor | None, n: int) -> None:
         self.digest = digest
         self.stats = stats
         self.n = n
+        self.hex: str | None = None  # the printed digest, once fetched (shared by every later use)
+        self.values: dict[str, Any] | None = None  # the JSON statistics, once fetched
 
 
-@dataclass
 class Call:
     """A record being built: the JSON dict plus the device results it waits for."""
 
-    rec: dict[str, Any]
-    fills: list[tuple[dict[str, Any], _Summary, bool]] = field(default_factory=list)
+    __slots__ = ("fills", "rec")
+
+    def __init__(self, rec: dict[str, Any]) -> None:
+        self.rec = rec
+        self.fills: list[tuple[dict[str, Any], _Summary, bool]] = []
 
 
 class Session:
@@ -81,6 +84,7 @@ class Session:
         self.sites = SiteTable()
         self.sources = SourceIndex()
         self.policy = DumpPolicy(options)
+        self.select_all = not (options.functions or options.modules or options.contexts)
         self.seq = 0
         self.step = 0
         self.contexts: list[str] = []
@@ -109,6 +113,8 @@ class Session:
 
     def selected(self, fn: str, module: str | None, context: str | None) -> bool:
         o = self.options
+        if self.select_all:
+            return True
         return matches(o.functions, fn) and matches(o.modules, module) and matches(o.contexts, context)
 
     @property
@@ -150,8 +156,10 @@ class Session:
 
     def _summarize(self, t: torch.Tensor, key: tuple[Any, ...], s: _Summary | None, n: int,
                    want_stats: bool, range_stats: bool) -> _Summary:
-        with torch.no_grad():
-            d = t.detach()
+        prev = torch.is_grad_enabled()
+        torch._C._set_grad_enabled(False)
+        try:
+            d = t.detach() if t.requires_grad else t
             digest = None
             if s is not None:
                 digest = s.digest
@@ -164,7 +172,11 @@ class Session:
                     st = same.stats if same is not None else None
                 if st is None:
                     st = stats_row(d)
+        finally:
+            torch._C._set_grad_enabled(prev)
+        hexed = s.hex if s is not None else None
         s = _Summary(digest, st, self.digester.count(d))
+        s.hex = hexed
         if n:
             self._remember(key, s, t)
         return s
@@ -192,7 +204,7 @@ class Session:
 
     def entry(self, call: Call, slot: str, t: torch.Tensor, output: bool, *, fresh: bool = False) -> dict[str, Any]:
         e: dict[str, Any] = {"slot": slot, "dtype": records.dtype_name(t.dtype), "shape": list(t.shape),
-                             "device": str(t.device), "digest": None}
+                             "device": records.device_name(t.device), "digest": None}
         s = self.summarize(t, output, fresh=fresh)
         if isinstance(s, str):
             e["reason"] = s
@@ -207,15 +219,18 @@ class Session:
         return e
 
     # ---- records ------------------------------------------------------------------------------
-    def begin(self, api: str, fn: str, site: Site, *, phase: str = "forward") -> Call:
+    def begin(self, api: str, fn: str, site: Site, *, phase: str = "forward",
+              where: tuple[str | None, str | None] | None = None) -> Call:
+        """A new record; ``where`` is (module, context) when the caller has them already."""
         seq = self.seq
         self.seq += 1
-        parent = self.parents[-1] if self.parents else None
+        parents = self.parents
+        module, context = (self.module, self.context) if where is None else where
         rec: dict[str, Any] = {
             "v": 1, "kind": "op", "seq": seq, "step": self.step, "rank": self.rank, "api": api, "fn": fn,
             "file": site.file, "line": site.line, "func": site.func, "src": site.src, "site": site.id,
-            "module": self.module, "context": self.context, "depth": len(self.parents), "parent": parent,
-            "phase": phase, "inputs": [], "outputs": []}
+            "module": module, "context": context, "depth": len(parents),
+            "parent": parents[-1] if parents else None, "phase": phase, "inputs": [], "outputs": []}
         call = Call(rec)
         self.pending.append(call)
         return call
@@ -263,15 +278,24 @@ class Session:
     def _flush(self, calls: list[Call]) -> None:
         digests: dict[int, int] = {}
         rows: dict[int, list[float]] = {}
-        self._fetch([s.digest for c in calls for _, s, _ in c.fills if s.digest is not None], digests, ints=True)
-        self._fetch([s.stats for c in calls for _, s, o in c.fills if o and s.stats is not None], rows, ints=False)
+        self._fetch([s.digest for c in calls for _, s, _ in c.fills if s.digest is not None and s.hex is None],
+                    digests, ints=True)
+        self._fetch([s.stats for c in calls for _, s, o in c.fills if o and s.stats is not None and s.values is None],
+                    rows, ints=False)
         for c in calls:
             for e, s, output in c.fills:
                 if s.digest is not None:
-                    e["digest"] = finish(digests[id(s.digest)], s.n)
+                    h = s.hex
+                    if h is None:
+                        h = s.hex = finish(digests[id(s.digest)], s.n)
+                    e["digest"] = h
                 if output and s.stats is not None:
-                    st = finish_stats(rows[id(s.stats)], s.n)
-                    e["stats"] = {k: (records.json_float(v) if isinstance(v, float) else v) for k, v in st.items()}
+                    v = s.values
+                    if v is None:
+                        st = finish_stats(rows[id(s.stats)], s.n)
+                        v = s.values = {k: (records.json_float(x) if isinstance(x, float) else x)
+                                        for k, x in st.items()}
+                    e["stats"] = v
         for c in calls:
             if self.cap_reached:
                 self.dropped += 1
