@@ -5,9 +5,11 @@
 Writes two synthetic runs in the documented capture schema (docs/capture.md §3): run B equals
 run A except for one inserted call in the middle of every rank (so the whole stream goes through
 the anchor path, not the equal-sequence fast path) and a numerical change shortly after it. Then it
-runs `opguard compare A B -o OUT` as a child process and reports wall time, peak RSS of the child,
-export size, trace GB/s, and the ratio to a baseline measured in the same run: reading and
-JSON-parsing both runs' trace lines (the least any compare of these files must do).
+runs `opguard compare A B -o OUT` as a child process and reports wall time, CPU time, peak RSS of
+the process tree, export size, trace GB/s, the load average before and after, and the ratios to
+two baselines measured in the same run: reading and JSON-parsing both runs' trace lines with
+`json.loads` and with `orjson.loads` (the parser compare uses) — the least any compare of these
+files must do (compare reads every line twice: once to pair, once to export).
 Goals (docs/benchmarks.md): <= 60 s and <= 2 GB peak RSS for 1,000,000 operations per side.
 """
 
@@ -23,7 +25,11 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
+
+import orjson
 
 REPO = Path(__file__).resolve().parent.parent
 FUNCS = ["torch.nn.functional.linear", "torch.relu", "torch.add", "Tensor.mul", "torch.matmul",
@@ -75,7 +81,7 @@ def _record(seq: int, rank: int, fn: str, line: int, src: str, a: str, out: str,
             f'"stats":{{"min":-4.1,"max":3.9,"mean":0.001,"std":0.99,"absmax":4.1,"nan":0,"inf":0}}}}]}}\n')
 
 
-def _watch_tree(proc: subprocess.Popen[bytes]) -> int:
+def _watch_tree(proc: subprocess.Popen[bytes]) -> tuple[int, int]:
     """Wait for proc; the peak of the summed RSS (and USS) of it and its children, sampled every 0.2 s."""
     import psutil
 
@@ -96,17 +102,16 @@ def _watch_tree(proc: subprocess.Popen[bytes]) -> int:
     except psutil.NoSuchProcess:
         pass
     proc.wait()
-    _watch_tree.uss_peak = uss_peak  # type: ignore[attr-defined]
-    return peak
+    return peak, uss_peak
 
 
-def baseline(paths: list[Path]) -> tuple[float, float]:
+def baseline(paths: list[Path], loads: Callable[[bytes], Any] = json.loads) -> tuple[float, float]:
     """(wall s, CPU s) of reading and JSON-parsing every line of both runs."""
     t, c = time.perf_counter(), time.process_time()
     for p in paths:
         with open(p, "rb") as f:
             for line in f:
-                json.loads(line)
+                loads(line)
     return time.perf_counter() - t, time.process_time() - c
 
 
@@ -125,13 +130,15 @@ def main() -> None:
         gen = time.perf_counter() - t
         files = sorted(work.rglob("trace.jsonl"))
         base_s, base_cpu = baseline(files)
+        fast_s, fast_cpu = baseline(files, orjson.loads)
+        load_start = os.getloadavg()
         out = work / "view.pftrace"
         opguard = Path(sys.executable).parent / "opguard"
         t = time.perf_counter()
         errf = open(work / "stderr.txt", "w+")  # noqa: SIM115
         proc = subprocess.Popen([str(opguard), "compare", str(work / "a"), str(work / "b"), "-o", str(out)],
                                 stdout=subprocess.DEVNULL, stderr=errf)
-        tree_peak = _watch_tree(proc)
+        tree_peak, uss_peak = _watch_tree(proc)
         wall = time.perf_counter() - t
         errf.seek(0)
         p = subprocess.CompletedProcess(proc.args, proc.returncode, "", errf.read())
@@ -147,11 +154,14 @@ def main() -> None:
             "baseline_parse_s": round(base_s, 2), "baseline_parse_cpu_s": round(base_cpu, 2),
             "compare_s": round(wall, 2), "compare_cpu_s": round(cpu, 2),
             "ratio_to_baseline": round(wall / base_s, 2), "cpu_ratio_to_baseline": round(cpu / base_cpu, 2),
-            "load_average_1min": round(os.getloadavg()[0], 1), "cpus": os.cpu_count(),
+            "baseline_orjson_parse_s": round(fast_s, 2), "baseline_orjson_parse_cpu_s": round(fast_cpu, 2),
+            "cpu_ratio_to_orjson_baseline": round(cpu / fast_cpu, 2),
+            "load_average_1_5_15min_start": [round(x, 1) for x in load_start],
+            "load_average_1_5_15min_end": [round(x, 1) for x in os.getloadavg()], "cpus": os.cpu_count(),
             "trace_GB_per_s": round(trace_bytes / wall / 1e9, 3),
             "peak_rss_MiB_largest_process": round(peak_kib / 1024, 1),
             "peak_rss_MiB_process_tree": round(tree_peak / 2**20, 1),
-            "peak_uss_MiB_process_tree": round(_watch_tree.uss_peak / 2**20, 1), "export_bytes": out.stat().st_size,
+            "peak_uss_MiB_process_tree": round(uss_peak / 2**20, 1), "export_bytes": out.stat().st_size,
             "export_bytes_per_op": round(out.stat().st_size / (2 * per_rank * args.ranks), 1),
             "goal_s": 60, "goal_rss_MiB": 2048,
         }

@@ -24,7 +24,7 @@ from opguard.compare.diff import MISMATCH, OK, UNALIGNED, Diff, diff_pair
 from opguard.compare.opevents import OpEncoder
 from opguard.compare.pairing import NO_ANCHOR, NO_CORRESPONDING_FILE, Pairing, pair_streams
 from opguard.compare.perfetto_export import ROW_NS, ExportWriter
-from opguard.compare.records import Record
+from opguard.compare.records import Record, Site
 from opguard.compare.sources import KIND_CAPTURE, Run, Stream, open_run
 from opguard.compare.summary import FirstMismatch, StreamSummary, Summary
 from opguard.errors import ConfigError
@@ -48,6 +48,8 @@ class _Index:
     offsets: array[int]
     dumps: dict[int, dict[str, str]]
     notes: list[str]
+    site_ids: array[int] = field(default_factory=lambda: array("q"))   # capture: each operation's call site
+    sites: list[Site] = field(default_factory=list)
 
 
 def _intern(intern: dict[str, int], k: str) -> int:
@@ -67,9 +69,11 @@ def _index_local(stream: Stream) -> tuple[list[str], _Index]:
     offsets = array("q")
     coll: list[int] = []
     if stream.kind == KIND_CAPTURE:
-        all_digests = _index_capture(stream, intern, keys, line_keys, anchors, coll, files, offsets)
+        site_ids = array("q")
+        sites: list[Site] = []
+        all_digests = _index_capture(stream, intern, keys, line_keys, anchors, coll, files, offsets, site_ids, sites)
         return _table(intern), _Index(keys, line_keys, anchors, coll, all_digests, files, offsets, stream.dumps,
-                                      stream.notes)
+                                      stream.notes, site_ids, sites)
     all_digests = True
     for key, line_key, text, collective, has_digest, fi, off in stream.index_fields():
         keys.append(_intern(intern, key))
@@ -95,10 +99,12 @@ _NO_SLOT = object()
 
 
 def _index_capture(stream: Stream, intern: dict[str, int], keys: array[int], line_keys: array[int],
-                   anchors: array[int], coll: list[int], files: array[int], offsets: array[int]) -> bool:
+                   anchors: array[int], coll: list[int], files: array[int], offsets: array[int],
+                   site_ids: array[int], site_list: list[Site]) -> bool:
     """Pass 1 over a capture stream (Stream.index_fields, inlined for speed: the same keys and
-    anchors); returns whether every record has a source-line digest."""
-    sites: dict[tuple[Any, ...], tuple[int, int, bool, bool, str]] = {}
+    anchors, and each operation's call site for pass 2); returns whether every record has a
+    source-line digest."""
+    sites: dict[tuple[Any, ...], tuple[int, int, bool, bool, str, int]] = {}
     all_digests = True
     for fi, n, off, obj in stream.capture_ops():
         try:
@@ -108,8 +114,9 @@ def _index_capture(stream: Stream, intern: dict[str, int], keys: array[int], lin
             if ent is None:
                 site = stream.sites.get(obj)
                 ent = sites[raw] = (_intern(intern, site.key), _intern(intern, site.line_key), site.collective,
-                                    site.line_digest is not None, site.function)
-            kid, lkid, collective, has_digest, function = ent
+                                    site.line_digest is not None, site.function, len(site_list))
+                site_list.append(site)
+            kid, lkid, collective, has_digest, function, sid = ent
             anchor = NO_ANCHOR
             ins = obj.get("inputs")
             if ins:
@@ -134,6 +141,7 @@ def _index_capture(stream: Stream, intern: dict[str, int], keys: array[int], lin
             all_digests = False
         files.append(fi)
         offsets.append(off)
+        site_ids.append(sid)
     return all_digests
 
 
@@ -204,8 +212,9 @@ _MALFORMED = (KeyError, TypeError, ValueError, AttributeError)
 
 class _Side:
     """One stream's operations in pass 2, from the first operation of a range of rows. Capture
-    records stay parsed JSON (encoded straight from it); a :class:`Record` is built only for a pair
-    whose recorded slots differ (the diff) or a record the fast encoder refuses."""
+    records stay parsed JSON (encoded straight from it, with the call sites pass 1 found); a
+    :class:`Record` is built only for a pair whose recorded slots differ (the diff) or a record the
+    fast encoder refuses."""
 
     def __init__(self, em: OpEncoder, st: Stream, run: str, track: int, rows: array[int], r0: int, r1: int,
                  idx: _Index) -> None:
@@ -216,9 +225,13 @@ class _Side:
         if first >= 0:
             it = st.capture_ops(self.pos) if self.capture else st.records(first, self.pos)
         self.next = it.__next__
+        self.head = em.head(run, st.name, st.rank)
+        self.site_ids = idx.site_ids
+        self.sites: list[tuple[bytes, bytes] | None] = [None] * len(idx.sites)
+        self.site_objs = idx.sites
 
     def rid(self, index: int) -> bytes:
-        return self.em.record_id(self.run, self.st.name, self.st.rank, index)
+        return self.head[0] + b"%d" % index
 
     def record(self, item: _Item, index: int) -> Record:
         if isinstance(item, Record):
@@ -231,9 +244,13 @@ class _Side:
              slots: bytes | None = None) -> bytes:
         em, st = self.em, self.st
         if not isinstance(item, Record) and d is None:
+            sid = self.site_ids[index]
+            site = self.sites[sid]
+            if site is None:
+                site = self.sites[sid] = em.site_entry(self.site_objs[sid])
             try:
-                return em.capture_op(self.track, ts, self.run, st.name, st.rank, index, rid, item[3], st.sites,
-                                     st.dumps, corr, other, flow_out, flow_in, slots)
+                return em.capture_op(self.track, ts, self.head, site, index, rid, item[3], st.dumps, corr, other,
+                                     flow_out, flow_in, slots)
             except _MALFORMED:
                 pass        # the Record path reports what is wrong with it (or encodes what it accepts)
         return em.op(self.track, ts, self.run, st.name, self.record(item, index), corr, other, d, flow_out, flow_in,

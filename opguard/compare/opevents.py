@@ -18,7 +18,7 @@ from typing import Any
 from opguard.compare.diff import MISMATCH, Diff
 from opguard.compare.perfetto_export import ExportWriter
 from opguard.compare.protoenc import F, uv, varint
-from opguard.compare.records import Record, Site, SiteCache, Slot, capture_stats
+from opguard.compare.records import Record, Site, Slot, capture_stats
 
 _E = F.E_ANNOTATION
 _DD = F.D_DICT
@@ -53,7 +53,6 @@ class OpEncoder:
         self._heads: dict[tuple[str, str, int], tuple[bytes, bytes, bytes]] = {}
         self._corrs: dict[tuple[str, str, str], tuple[bytes, bytes, bytes]] = {}
         self._fnames: dict[str, bytes] = {}
-        self._sites: dict[tuple[Any, ...], tuple[Site, bytes, bytes]] = {}
         self._slot_heads: dict[tuple[Any, ...], tuple[bytes, bytes]] = {}
         self._digest_pre: dict[tuple[str, int], bytes] = {}
         self._dpre: dict[int, bytes] = {}
@@ -101,7 +100,7 @@ class OpEncoder:
         return b"".join(out)
 
     # ---- cached blocks ----
-    def _head(self, run: str, stream: str, rank: int) -> tuple[bytes, bytes, bytes]:
+    def head(self, run: str, stream: str, rank: int) -> tuple[bytes, bytes, bytes]:
         """(record_id prefix, record_id annotation name, framed run/rank/stream annotations) of a stream."""
         key = (run, stream, rank)
         h = self._heads.get(key)
@@ -256,7 +255,7 @@ class OpEncoder:
     def _common(self, run: str, stream: str, rank: int, index: int, seq: Any, step: Any, site_block: bytes,
                 corr: tuple[str, str, str], other: bytes | None, diff: Diff | None) -> tuple[bytes, list[bytes]]:
         """(record_id bytes, framed annotations up to the slots)."""
-        prefix, rid, block = self._head(run, stream, rank)
+        prefix, rid, block = self.head(run, stream, rank)
         ridb = prefix + b"%d" % index
         a = rid + uv(len(ridb)) + ridb
         parts = [_E + uv(len(a)) + a, block, self._int("index", index)]
@@ -275,30 +274,29 @@ class OpEncoder:
             parts.append(_frame(self.ann.value("diff", dd)))
         return ridb, parts
 
-    def capture_op(self, track: int, ts: int, run: str, stream: str, rank: int, index: int, ridb: bytes,
-                   obj: dict[str, Any], sites: SiteCache, dumps: dict[int, dict[str, str]],
+    def site_entry(self, site: Site) -> tuple[bytes, bytes]:
+        """(framed callsite/context/collective annotations, TrackEvent name field) of a call site."""
+        fb = site.function.encode("utf-8", "surrogatepass")
+        return (self._site_block(site.file, site.line, site.scope, site.line_digest, site.site, site.context,
+                                 site.collective), F.E_NAME + uv(len(fb)) + fb)
+
+    def capture_op(self, track: int, ts: int, head: tuple[bytes, bytes, bytes], site: tuple[bytes, bytes],
+                   index: int, ridb: bytes, obj: dict[str, Any], dumps: dict[int, dict[str, str]],
                    corr: tuple[str, str, str], other: bytes | None, flow_out: int | None = None,
                    flow_in: int | None = None, slots: bytes | None = None) -> bytes:
         """Emit the slice of a capture ``op`` record (no diff: ``ok`` or unresolved) straight from its
-        JSON object; ``ridb`` is its :meth:`record_id`. Returns the encoded slot annotations, which the
-        caller may pass back as ``slots`` for a record whose slots are equal in every field. Raises
-        KeyError/TypeError/ValueError/AttributeError on a record it does not take (the caller then
-        takes the :class:`Record` path, which reports what is wrong with it)."""
-        raw = (obj["fn"], obj.get("file"), obj.get("line"), obj.get("src"), obj.get("func"), obj.get("module"),
-               obj.get("context"), obj.get("phase"), obj.get("api"))
-        ent = self._sites.get(raw)
-        if ent is None:
-            site = sites.get(obj)
-            ent = self._sites[raw] = (site, self._site_block(site.file, site.line, site.scope, site.line_digest,
-                                                             site.site, site.context, site.collective),
-                                      F.E_NAME + uv(len(fb := site.function.encode("utf-8", "surrogatepass"))) + fb)
+        JSON object. ``head``: :meth:`head` of its stream; ``site``: :meth:`site_entry` of its call
+        site (as pass 1 found it for this record); ``ridb``: its :meth:`record_id`. Returns the
+        encoded slot annotations, which the caller may pass back as ``slots`` for a record whose
+        slots are equal in every field. Raises KeyError/TypeError/ValueError/AttributeError on a
+        record it does not take (the caller then takes the :class:`Record` path, which reports what
+        is wrong with it)."""
         if obj["rank"].__class__ is not int:
             raise TypeError("rank")
-        _prefix, rid, block = self._head(run, stream, rank)
-        a = rid + uv(len(ridb)) + ridb
+        a = head[1] + uv(len(ridb)) + ridb
         v = varint(index)
         ni = self._ni
-        parts = [_E + uv(len(a)) + a, block, _E + uv(len(ni) + len(v)) + ni + v]
+        parts = [_E + uv(len(a)) + a, head[2], _E + uv(len(ni) + len(v)) + ni + v]
         seq: Any = obj.get("seq")
         if seq is not None:
             v = varint(int(seq))
@@ -307,7 +305,7 @@ class OpEncoder:
         if step is not None:
             v = varint(int(step))
             parts.append(_E + uv(len(self._nstep) + len(v)) + self._nstep + v)
-        parts.append(ent[1])
+        parts.append(site[0])
         pre, post, tail = self._corr(*corr)
         c = pre + self._sb("other", other) + post if other is not None else pre + post
         parts.append(_E + uv(len(c)) + c)
@@ -317,7 +315,7 @@ class OpEncoder:
             slots = self._raw_slots("inputs", obj.get("inputs"), "in", d) + \
                 self._raw_slots("outputs", obj.get("outputs"), "out", d, obj.get("error"))
         parts.append(slots)
-        self.w.slice_named(track, ts, ent[2], b"".join(parts), flow_out, flow_in)
+        self.w.slice_named(track, ts, site[1], b"".join(parts), flow_out, flow_in)
         return slots
 
     def op(self, track: int, ts: int, run: str, stream: str, rec: Record, corr: tuple[str, str, str],
@@ -342,4 +340,4 @@ class OpEncoder:
 
     def record_id(self, run: str, stream: str, rank: int, index: int) -> bytes:
         """The record_id of an operation, UTF-8 (``<run>/rank<R>/<stream>/<index>``)."""
-        return self._head(run, stream, rank)[0] + b"%d" % index
+        return self.head(run, stream, rank)[0] + b"%d" % index

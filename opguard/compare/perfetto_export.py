@@ -127,9 +127,8 @@ class ExportWriter:
         if flow_in is not None:
             ev += _FLOW_IN + _pack_q(flow_in)
         pkt = _TS + varint(ts) + _EVENT + uv(len(ev)) + ev + seq
-        ann = self.ann
-        if ann.has_new():
-            pkt += ld(F.P_INTERNED, ann.take_new_names())
+        if self.ann.pending:
+            pkt += ld(F.P_INTERNED, self.ann.take_new_names())
         pkt += _NEEDS_STATE
         end = _TS + varint(ts + SLICE_NS) + end_tail
         self._f.write(_PACKET + uv(len(pkt)) + pkt + _PACKET + uv(len(end)) + end)

@@ -117,7 +117,7 @@ class Annotations:
 
     def __init__(self) -> None:
         self._iid: dict[str, bytes] = {}
-        self._new: list[bytes] = []
+        self.pending: list[bytes] = []
 
     def name(self, name: str) -> bytes:
         """The encoded (interned) name field of an annotation."""
@@ -129,17 +129,14 @@ class Annotations:
             iid = len(self._iid) + 1
             b = F.D_NAME_IID + uv(iid)
             self._iid[name] = b
-            self._new.append(ld(F.I_ANNOTATION_NAMES, F.N_IID + uv(iid) + ld(F.N_NAME, name.encode())))
+            self.pending.append(ld(F.I_ANNOTATION_NAMES, F.N_IID + uv(iid) + ld(F.N_NAME, name.encode())))
         return b
 
-    def has_new(self) -> bool:
-        return bool(self._new)
-
     def take_new_names(self) -> bytes:
-        if not self._new:
+        if not self.pending:
             return b""
-        out = b"".join(self._new)
-        self._new = []
+        out = b"".join(self.pending)
+        self.pending = []
         return out
 
     def s(self, name: str, value: str) -> bytes:

@@ -78,8 +78,8 @@ def _write(path: Path, fast: bool, recs: list[dict[str, Any]]) -> list[dict[str,
         other = b"B/rank0/capture/%d" % k if k % 2 else None
         flow = k + 1 if k % 2 else None
         if fast:
-            em.capture_op(track, k * 1000, "A", "capture", 0, k, em.record_id("A", "capture", 0, k), obj, sites, DUMPS,
-                          corr, other, flow_out=flow)
+            em.capture_op(track, k * 1000, em.head("A", "capture", 0), em.site_entry(sites.get(obj)), k,
+                          em.record_id("A", "capture", 0, k), obj, DUMPS, corr, other, flow_out=flow)
         else:
             rec = from_capture(obj, k, sites, "test")
             if rec.seq in DUMPS:
@@ -116,6 +116,6 @@ def test_fast_encoder_refuses_what_the_record_path_must_judge(tmp_path: Path, ba
     w = ExportWriter(tmp_path / "x.pftrace", {"opguard.export": "test"})
     em = OpEncoder(w)
     with pytest.raises((KeyError, TypeError, ValueError, AttributeError)):
-        em.capture_op(1, 0, "A", "capture", 0, 0, b"A/rank0/capture/0", obj, SiteCache(None), {},
-                      ("undetermined", "x", "unaligned"), None)
+        em.capture_op(1, 0, em.head("A", "capture", 0), em.site_entry(SiteCache(None).get(obj)), 0,
+                      b"A/rank0/capture/0", obj, {}, ("undetermined", "x", "unaligned"), None)
     w.abort()
