@@ -3,6 +3,10 @@ in the same process (alternating blocks), trace bytes per step, peak extra RSS (
 
     .venv/bin/python bench/capture_bench.py [--layers 4 --width 256 --seq 128 --batch 8 --steps 6]
         [--modes full,sample,xor,none] [--level function] [--threads 1] [--json out.json]
+
+Ratios: median captured step / median baseline step, for wall time (``ratio``) and for the main
+thread's CPU time (``cpu_ratio``, less disturbed by other processes on a shared machine); the
+1-minute load average at the start and end of the timed part is in the output.
 """
 
 from __future__ import annotations
@@ -36,14 +40,18 @@ def setup(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     return model, opt, idx, tgt
 
 
-def timed_steps(model, opt, idx, tgt, n: int) -> list[float]:  # type: ignore[no-untyped-def]
+def timed_steps(model, opt, idx, tgt, n: int, cpu: list[float]) -> list[float]:  # type: ignore[no-untyped-def]
+    """Wall time per step; the thread's CPU time per step is appended to ``cpu`` (less sensitive
+    to other processes on a loaded machine than wall time)."""
     from tests.capture.progs.models import transformer_step
 
     out = []
     for _ in range(n):
+        c0 = time.thread_time()
         t0 = time.perf_counter()
         transformer_step(model, opt, idx, tgt)
         out.append(time.perf_counter() - t0)
+        cpu.append(time.thread_time() - c0)
     return out
 
 
@@ -59,9 +67,12 @@ def run_times(args: argparse.Namespace) -> dict[str, object]:
 
     torch.set_num_threads(args.threads)
     model, opt, idx, tgt = setup(args)
-    timed_steps(model, opt, idx, tgt, 2)  # warm-up (allocator, kernels)
+    timed_steps(model, opt, idx, tgt, 2, [])  # warm-up (allocator, kernels)
+    load_start = os.getloadavg()
     base_times: list[float] = []
+    base_cpu: list[float] = []
     cap_times: dict[str, list[float]] = {m: [] for m in args.modes}
+    cap_cpu: dict[str, list[float]] = {m: [] for m in args.modes}
     bytes_per_step: dict[str, float] = {}
     tmp = Path(tempfile.mkdtemp(prefix="capbench-"))
     for rnd in range(args.rounds):
@@ -70,29 +81,40 @@ def run_times(args: argparse.Namespace) -> dict[str, object]:
         k = rnd % len(order)
         for mode in order[k:] + order[:k]:
             if mode is None:
-                base_times += timed_steps(model, opt, idx, tgt, args.steps)
+                base_times += timed_steps(model, opt, idx, tgt, args.steps, base_cpu)
                 continue
             out = tmp / f"{mode}-{rnd}"
             env = {"OPGUARD_TRACE_OUTPUT_BASE": str(out)}
             # "intercept": the function mode, call-site lookup and selection only (nothing matches)
             kw = {"digest": "none", "functions": "-nothing-"} if mode == "intercept" else {"digest": mode}
             times = []
+            cpus = []
             cap = oc.capture(env=env, level=args.level, buffer=args.buffer, **kw)
             with cap:
                 for i in range(args.steps):
                     oc.step(i)
+                    c0 = time.thread_time()
                     t0 = time.perf_counter()
                     transformer_step(model, opt, idx, tgt)
                     times.append(time.perf_counter() - t0)
+                    cpus.append(time.thread_time() - c0)
                 t_exit = time.perf_counter()
+                c_exit = time.thread_time()
             exit_s = time.perf_counter() - t_exit  # the final flush and tables: spread over the steps
+            exit_cpu = time.thread_time() - c_exit
             cap_times[mode] += [t + exit_s / args.steps for t in times]
+            cap_cpu[mode] += [t + exit_cpu / args.steps for t in cpus]
             bytes_per_step[mode] = trace_bytes(out) / args.steps
     base = statistics.median(base_times)
-    res: dict[str, object] = {"baseline_step_s": base, "modes": {}}
+    base_c = statistics.median(base_cpu)
+    res: dict[str, object] = {"baseline_step_s": base, "baseline_cpu_step_s": base_c,
+                              "loadavg_1min_start_end": [round(load_start[0], 2), round(os.getloadavg()[0], 2)],
+                              "modes": {}}
     for mode in args.modes:
         med = statistics.median(cap_times[mode])
+        med_c = statistics.median(cap_cpu[mode])
         res["modes"][mode] = {"step_s": med, "ratio": med / base,  # type: ignore[index]
+                              "cpu_step_s": med_c, "cpu_ratio": med_c / base_c,
                               "trace_bytes_per_step": int(bytes_per_step[mode])}
     return res
 

@@ -93,8 +93,8 @@ def device_name(device: torch.device) -> str:
 
 def plain_data_reason(t: torch.Tensor) -> str | None:
     """Why a tensor has no digestible data (``None`` when it has)."""
-    if type(t) is torch.Tensor and t.layout is torch.strided and t.device.type == "cpu" and not t.is_quantized:
-        return None  # the common case, decided in four attribute reads
+    if type(t) is torch.Tensor and t.layout is torch.strided and (t.is_cpu or t.is_cuda) and not t.is_quantized:
+        return None  # the common case, decided in four attribute reads (no device object)
     if type(t) not in (torch.Tensor, torch.nn.Parameter):
         return f"tensor subclass {type(t).__name__}"
     if t.layout != torch.strided:

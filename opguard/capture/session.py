@@ -50,9 +50,10 @@ def _dense(t: torch.Tensor) -> bool:
 class _Summary:
     """Device-side results for one tensor content version (shared by every use of it)."""
 
-    __slots__ = ("digest", "hex", "n", "stats", "values")
+    __slots__ = ("digest", "hex", "n", "ref", "stats", "values")
 
     def __init__(self, digest: torch.Tensor | None, stats: torch.Tensor | None, n: int) -> None:
+        self.ref: weakref.ref[torch.Tensor] | None = None  # the tensor it was computed for (see _remember)
         self.digest = digest
         self.stats = stats
         self.n = n
@@ -92,7 +93,6 @@ class Session:
         self.parents: list[int] = []
         self.pending: list[Call] = []
         self._cache: OrderedDict[tuple[Any, ...], _Summary] = OrderedDict()
-        self._refs: dict[tuple[Any, ...], weakref.ref[torch.Tensor]] = {}
         self.written = 0
         self._file_sizes: dict[str, int] = {}
         self._tables_bytes = 0
@@ -145,7 +145,7 @@ class Session:
             key: tuple[Any, ...] = (t.data_ptr(), n, t.dtype, t.device, t._version)
         else:
             key = (t.data_ptr(), t.shape, t.stride(), t.dtype, t.device, t._version)
-        s = None if fresh or n == 0 else self._cache.get(key)
+        s = None if fresh or n == 0 else self._lookup(key)
         if s is not None and (s.stats is not None or not want_stats):
             return s
         self.busy += 1
@@ -168,7 +168,7 @@ class Session:
             st = None
             if want_stats:
                 if range_stats and _dense(t):
-                    same = self._cache.get((t.data_ptr(), n, t.dtype, t.device, t._version))
+                    same = self._lookup((t.data_ptr(), n, t.dtype, t.device, t._version))
                     st = same.stats if same is not None else None
                 if st is None:
                     st = stats_row(d)
@@ -181,26 +181,26 @@ class Session:
             self._remember(key, s, t)
         return s
 
+    def _lookup(self, key: tuple[Any, ...]) -> _Summary | None:
+        """The cached summary of ``key`` while the tensor it was computed for is alive: that tensor
+        holds the memory, so the address cannot have been reused by another tensor. A dead entry
+        is stale (the memory may hold a new tensor at the same address and version)."""
+        s = self._cache.get(key)
+        if s is None or s.ref is None or s.ref() is None:
+            return None
+        return s
+
     def _remember(self, key: tuple[Any, ...], s: _Summary, t: torch.Tensor) -> None:
+        """Cache ``s`` under ``key`` with a weak reference to ``t`` (no callback: dead entries are
+        recognised on lookup and age out of the bounded cache, CACHE_ENTRIES)."""
+        try:
+            s.ref = weakref.ref(t)
+        except TypeError:
+            return  # not weakly referenceable: never reused
         cache = self._cache
         cache[key] = s
-        if key not in self._refs:
-            try:
-                self._refs[key] = weakref.ref(t, self._forgetter(key))
-            except TypeError:
-                pass
         if len(cache) > CACHE_ENTRIES:
-            old, _ = cache.popitem(last=False)
-            self._refs.pop(old, None)
-
-    def _forgetter(self, key: tuple[Any, ...]) -> Any:
-        def forget(_ref: object) -> None:
-            self._forget(key)
-        return forget
-
-    def _forget(self, key: tuple[Any, ...]) -> None:
-        self._cache.pop(key, None)
-        self._refs.pop(key, None)
+            cache.popitem(last=False)
 
     def entry(self, call: Call, slot: str, t: torch.Tensor, output: bool, *, fresh: bool = False) -> dict[str, Any]:
         e: dict[str, Any] = {"slot": slot, "dtype": records.dtype_name(t.dtype), "shape": list(t.shape),

@@ -280,3 +280,71 @@ def test_refusals(tmp_path: Path, out_env: dict[str, str]) -> None:
             "OPGUARD_TRACE_OUTPUT_BASE": str(tmp_path / "o3")}):
         pass
     assert torch.overrides._get_current_function_mode_stack() == []
+
+
+def test_views_and_reused_memory_get_exact_summaries(out_env: dict[str, str]) -> None:
+    """The digest cache is keyed by memory range for contiguous tensors: views share the cached
+    digest and statistics, a transpose gets its own digest (logical order) and the statistics of
+    its range, an in-place update makes a new version, and memory freed and reused by a new tensor
+    at the same address is never served a stale result."""
+    from opguard.capture.digest import finish_stats, stats_row
+
+    g = torch.Generator().manual_seed(7)
+    base = torch.randn(6, 8, generator=g)
+    with oc.capture(env=out_env) as cap:
+        a = base.mul(1.0)
+        v = a.view(8, 6)
+        t = a.t()
+        a.add_(1.0)
+        w = a.view(48)
+        x = torch.ones(16)
+        del x  # its memory is free for the next allocation of the same size
+        torch.zeros(16)
+    op = ops(read_trace(cap.path))
+    out: dict[str, dict] = {}  # type: ignore[type-arg]
+    for r in op:
+        out.setdefault(r["fn"], r["outputs"][0])  # the first record of each function
+    before, after = base.mul(1.0), base.mul(1.0).add_(1.0)
+    assert out["Tensor.view"]["digest"] == oc_digest(before) == out["Tensor.mul"]["digest"]
+    assert out["Tensor.view"]["shape"] == [8, 6] and v.shape == (8, 6)
+    assert out["Tensor.t"]["digest"] == oc_digest(before.t().contiguous()) != oc_digest(before)
+    expect = finish_stats(stats_row(before).tolist(), before.numel())
+    for fn in ("Tensor.mul", "Tensor.view", "Tensor.t"):
+        got = out[fn]["stats"]
+        assert got["min"] == expect["min"] and got["max"] == expect["max"] and got["nan"] == 0
+        assert got["mean"] == pytest.approx(expect["mean"], abs=1e-6)
+        assert got["std"] == pytest.approx(expect["std"], rel=1e-6)
+    views = [r for r in op if r["fn"] == "Tensor.view"]
+    assert [r["outputs"][0]["digest"] for r in views] == [oc_digest(before), oc_digest(after)]
+    assert out["Tensor.add_"]["digest"] == oc_digest(after) and w.shape == (48,) and t.shape == (8, 6)
+    # a new tensor in (probably) the same memory, same element count and version 0: its own digest
+    assert out["torch.zeros"]["digest"] == oc_digest(torch.zeros(16)) != out["torch.ones"]["digest"]
+
+
+def test_dead_cache_entry_is_not_served_to_a_new_tensor_at_the_same_address(out_env: dict[str, str]) -> None:
+    """A new tensor at the address, element count, dtype and version of a dead cached one (the
+    allocator reused the memory) is summarised afresh, never served the old tensor's digest."""
+    from opguard.capture.digest import finish
+    from opguard.capture.options import CaptureOptions
+    from opguard.capture.session import Session
+
+    s = Session(CaptureOptions.from_env({}), out_env)
+    try:
+        mem = torch.ones(16)
+
+        def alias() -> torch.Tensor:  # a new tensor object over mem's memory, fresh version counter
+            return torch.empty(0).set_(mem.untyped_storage(), 0, (16,))
+
+        x = alias()
+        first = s.summarize(x, True)
+        version = x._version
+        del x
+        mem.zero_()
+        y = alias()
+        assert (y.data_ptr(), y._version) == (mem.data_ptr(), version)  # the same cache key
+        second = s.summarize(y, True)
+        assert not isinstance(first, str) and not isinstance(second, str)
+        assert second is not first and second.digest is not None
+        assert finish(int(second.digest), 16) == oc_digest(torch.zeros(16)) != oc_digest(torch.ones(16))
+    finally:
+        s.close()
