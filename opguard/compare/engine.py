@@ -399,11 +399,9 @@ def _compare_stream(writer: ExportWriter, sa: Stream, sb: Stream, tracks: tuple[
     pairing = pair_streams(ia.keys, ib.keys, ia.anchors, ib.anchors)
     summ.ops_a, summ.ops_b = len(ia.keys), len(ib.keys)
     summ.notes.extend([*(f"run A: {n}" for n in sa.notes), *(f"run B: {n}" for n in sb.notes)])
-    rows = pairing.rows()
-    job = _Job(sa, sb, ia, ib, pairing, array("q", [r[0] for r in rows]), array("q", [r[1] for r in rows]),
-               tracks, flow_base)
-    n = len(rows)
-    del rows
+    rows_a, rows_b = pairing.row_arrays()
+    job = _Job(sa, sb, ia, ib, pairing, rows_a, rows_b, tracks, flow_base)
+    n = len(rows_a)
     if big:
         bounds = [n * k // n_workers for k in range(n_workers + 1)]
         parts = [writer.path.parent / f".{writer.path.name}.opguard-part-{secrets.token_hex(4)}-{k}"

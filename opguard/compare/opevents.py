@@ -17,6 +17,8 @@ from typing import Any
 
 from opguard.compare.diff import MISMATCH, Diff
 from opguard.compare.perfetto_export import ExportWriter
+from opguard.compare.protoenc import N_SMALL as _NU
+from opguard.compare.protoenc import SMALL_VARINTS as _U
 from opguard.compare.protoenc import F, uv, varint
 from opguard.compare.records import Record, Site, Slot, capture_stats
 
@@ -240,7 +242,8 @@ class OpEncoder:
                     norm = capture_stats(st)
                     if norm:
                         b += self._stats(norm)
-            out.append(_DD + uv(len(b)) + b)
+            n = len(b)
+            out.append(_DD + (_U[n] if n < _NU else uv(n)) + b)
         if error:
             b = self._n("error") + self._sb("digest", str(error).encode())
             if dumps is not None and dumps.get("error") is not None:
@@ -249,7 +252,8 @@ class OpEncoder:
         if len(out) == 1:
             return b""
         a = b"".join(out)
-        return _E + uv(len(a)) + a
+        n = len(a)
+        return _E + (_U[n] if n < _NU else uv(n)) + a
 
     # ---- one operation ----
     def _common(self, run: str, stream: str, rank: int, index: int, seq: Any, step: Any, site_block: bytes,
@@ -296,15 +300,15 @@ class OpEncoder:
         a = head[1] + uv(len(ridb)) + ridb
         v = varint(index)
         ni = self._ni
-        parts = [_E + uv(len(a)) + a, head[2], _E + uv(len(ni) + len(v)) + ni + v]
+        parts = [_E + uv(len(a)) + a, head[2], _E + _U[len(ni) + len(v)] + ni + v]     # _U: lengths < 2**14
         seq: Any = obj.get("seq")
         if seq is not None:
             v = varint(int(seq))
-            parts.append(_E + uv(len(self._nseq) + len(v)) + self._nseq + v)
+            parts.append(_E + _U[len(self._nseq) + len(v)] + self._nseq + v)
         step = obj.get("step")
         if step is not None:
             v = varint(int(step))
-            parts.append(_E + uv(len(self._nstep) + len(v)) + self._nstep + v)
+            parts.append(_E + _U[len(self._nstep) + len(v)] + self._nstep + v)
         parts.append(site[0])
         pre, post, tail = self._corr(*corr)
         c = pre + self._sb("other", other) + post if other is not None else pre + post

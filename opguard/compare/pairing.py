@@ -18,8 +18,10 @@ this module never sees an output value or shape.
 from __future__ import annotations
 
 import itertools
+import operator
 from array import array
 from bisect import bisect_left
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -52,6 +54,27 @@ class Pairing:
     reason_a: list[str | None]     # reason of A's i-th op when unresolved
     reason_b: list[str | None]
     anchors: int = 0
+
+    def row_arrays(self) -> tuple[array[int], array[int]]:
+        """:meth:`rows` as two arrays (A's index per row, B's index per row; -1: none)."""
+        ra, rb = array("q"), array("q")
+        j = 0
+        nb = len(self.b_to_a)
+        for i, b in enumerate(self.a_to_b):
+            if b < 0:
+                ra.append(i)
+                rb.append(-1)
+                continue
+            if j < b:
+                ra.extend(array("q", [-1]) * (b - j))
+                rb.extend(range(j, b))
+            ra.append(i)
+            rb.append(b)
+            j = b + 1
+        if j < nb:
+            ra.extend(array("q", [-1]) * (nb - j))
+            rb.extend(range(j, nb))
+        return ra, rb
 
     def rows(self) -> list[tuple[int, int]]:
         """Both sequences merged in execution order: (a, b), (a, -1) or (-1, b) per row.
@@ -101,18 +124,10 @@ def _lis(pairs: list[tuple[int, int]]) -> list[tuple[int, int]]:
 
 
 def _unique(anchors: Sequence[int]) -> dict[int, int]:
-    seen: dict[int, int] = {}
-    dup: set[int] = set()
-    for i, key in enumerate(anchors):
-        if key == NO_ANCHOR:
-            continue
-        if key in seen:
-            dup.add(key)
-        else:
-            seen[key] = i
-    for key in dup:
-        del seen[key]
-    return seen
+    """Anchor key -> position, for the keys that occur exactly once (in order of position)."""
+    counts = Counter(anchors)
+    last = dict(zip(anchors, range(len(anchors)), strict=True))     # a unique key's only position
+    return {key: i for key, i in last.items() if counts[key] == 1 and key != NO_ANCHOR}
 
 
 def pair_streams(keys_a: Sequence[int], keys_b: Sequence[int],
@@ -134,19 +149,24 @@ def pair_streams(keys_a: Sequence[int], keys_b: Sequence[int],
 
     ua, ub = _unique(anchors_a), _unique(anchors_b)
     matches = sorted((i, ub[key]) for key, i in ua.items() if key in ub)
-    kept = _lis(matches)
-    conflict_a = {i for i, _ in matches}
-    conflict_b = {j for _, j in matches}
+    bs = [j for _, j in matches]
+    # when B's positions already increase (the usual case) the longest monotone set is all of them
+    kept = matches if all(map(operator.lt, bs, itertools.islice(bs, 1, None))) else _lis(matches)
+    conflict_a: set[int] = set()
+    conflict_b: set[int] = set()
+    if len(kept) != len(matches):
+        conflict_a = {i for i, _ in matches}.difference(i for i, _ in kept)
+        conflict_b = set(bs).difference(j for _, j in kept)
     for i, j in kept:
         a_to_b[i] = j
         b_to_a[j] = i
         basis_a[i] = INPUT_ANCHOR
-        conflict_a.discard(i)
-        conflict_b.discard(j)
     result.anchors = len(kept)
 
     bounds = [(-1, -1), *kept, (na, nb)]
     for (a0, b0), (a1, b1) in itertools.pairwise(bounds):
+        if a1 == a0 + 1 and b1 == b0 + 1:
+            continue                # adjacent anchors: nothing between them
         seg_a = range(a0 + 1, a1)
         seg_b = range(b0 + 1, b1)
         if len(seg_a) == len(seg_b) and all(keys_a[i] == keys_b[j] for i, j in zip(seg_a, seg_b, strict=True)):

@@ -43,6 +43,7 @@ _N_SMALL = 1 << 14
 _N_SMALL3 = 1 << 28
 _N_SMALL2 = 1 << 42
 _SMALL = [_varint_slow(i) for i in range(_N_SMALL)]
+SMALL_VARINTS, N_SMALL = _SMALL, _N_SMALL      # varint(n) is SMALL_VARINTS[n] for 0 <= n < N_SMALL
 _CONT = [bytes((b[0] | 0x80, (b[1] if len(b) > 1 else 0) | 0x80)) for b in _SMALL]   # 14 bits, more follow
 
 

@@ -28,6 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from orjson import loads as orjson_loads
+
 from opguard.compare.records import (
     CAPTURE_VERSION,
     Record,
@@ -101,11 +103,14 @@ class Stream:
                     if line[-1:] != b"\n":
                         break
                     try:
-                        obj = loads(line)
-                    except ValueError as e:
-                        if not line.strip():
-                            continue
-                        raise bad_line(path, n, here, first, e) from None
+                        obj = orjson_loads(line)
+                    except ValueError:
+                        try:
+                            obj = loads(line)       # what orjson refuses (NaN literals, ...), or the error
+                        except ValueError as e:
+                            if not line.strip():
+                                continue
+                            raise bad_line(path, n, here, first, e) from None
                     if obj.__class__ is not dict:
                         raise bad_line(path, n, here, first, None)
                     if obj.get("v") != CAPTURE_VERSION:

@@ -74,3 +74,5 @@ def test_pairs_are_monotone_and_one_to_one_on_random_inputs() -> None:
             assert (p.a_to_b[i] >= 0) != (p.reason_a[i] is not None)
         for j in range(nb):
             assert (p.b_to_a[j] >= 0) != (p.reason_b[j] is not None)
+        ra, rb = p.row_arrays()
+        assert list(zip(ra, rb, strict=True)) == p.rows()
