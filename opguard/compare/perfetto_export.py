@@ -12,6 +12,7 @@ The file is written to a temporary name beside OUT and renamed into place when c
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import secrets
@@ -20,7 +21,7 @@ import struct
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from opguard.compare.protoenc import Annotations, F, decode_annotation, ld, uv, varint, vfield
 from opguard.errors import ConfigError
@@ -138,7 +139,7 @@ class ExportWriter:
         """Append a fragment written by a part writer (then removed)."""
         self._f.flush()
         with open(part, "rb") as f:
-            shutil.copyfileobj(f, self._f, 1 << 22)
+            _copy(f, self._f)
         part.unlink()
         self.slices += slices
         self.flows += flows
@@ -158,6 +159,24 @@ class ExportWriter:
         if not self._f.closed:
             self._f.close()
         self.tmp.unlink(missing_ok=True)
+
+
+def _copy(src: BinaryIO, dst: BinaryIO) -> None:
+    """Append all of ``src`` to ``dst`` (flushed): in the kernel (copy_file_range) where it can."""
+    size = os.fstat(src.fileno()).st_size
+    done = 0
+    try:
+        while done < size:
+            n = os.copy_file_range(src.fileno(), dst.fileno(), size - done)
+            if n == 0:
+                break
+            done += n
+    except OSError as e:
+        if done or e.errno not in (errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL, errno.EBADF):
+            raise
+    src.seek(done)
+    dst.seek(0, os.SEEK_END)
+    shutil.copyfileobj(src, dst, 1 << 22)      # the rest (none unless the kernel could not copy)
 
 
 def file_sha256(path: Path) -> str:
