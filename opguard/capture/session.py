@@ -47,13 +47,26 @@ def _dense(t: torch.Tensor) -> bool:
     return True
 
 
+class _Ref(weakref.ref):  # type: ignore[type-arg]
+    """A weak reference to a summarised tensor that knows its cache key (no closure per entry)."""
+
+    __slots__ = ("key",)
+
+    def __new__(cls, ob: torch.Tensor, callback: Any, key: tuple[Any, ...]) -> _Ref:
+        return super().__new__(cls, ob, callback)
+
+    def __init__(self, ob: torch.Tensor, callback: Any, key: tuple[Any, ...]) -> None:
+        super().__init__(ob, callback)  # type: ignore[call-arg]
+        self.key = key
+
+
 class _Summary:
     """Device-side results for one tensor content version (shared by every use of it)."""
 
     __slots__ = ("digest", "hex", "n", "ref", "stats", "values")
 
     def __init__(self, digest: torch.Tensor | None, stats: torch.Tensor | None, n: int) -> None:
-        self.ref: weakref.ref[torch.Tensor] | None = None  # the tensor it was computed for (see _remember)
+        self.ref: _Ref | None = None  # the tensor it was computed for (see _remember)
         self.digest = digest
         self.stats = stats
         self.n = n
@@ -93,6 +106,7 @@ class Session:
         self.parents: list[int] = []
         self.pending: list[Call] = []
         self._cache: OrderedDict[tuple[Any, ...], _Summary] = OrderedDict()
+        self._dead = self._dead_entry  # one bound method for every weak reference's callback
         self.written = 0
         self._file_sizes: dict[str, int] = {}
         self._tables_bytes = 0
@@ -184,23 +198,29 @@ class Session:
     def _lookup(self, key: tuple[Any, ...]) -> _Summary | None:
         """The cached summary of ``key`` while the tensor it was computed for is alive: that tensor
         holds the memory, so the address cannot have been reused by another tensor. A dead entry
-        is stale (the memory may hold a new tensor at the same address and version)."""
+        (normally already dropped by its callback) is stale: the memory may hold a new tensor at
+        the same address and version."""
         s = self._cache.get(key)
         if s is None or s.ref is None or s.ref() is None:
             return None
         return s
 
     def _remember(self, key: tuple[Any, ...], s: _Summary, t: torch.Tensor) -> None:
-        """Cache ``s`` under ``key`` with a weak reference to ``t`` (no callback: dead entries are
-        recognised on lookup and age out of the bounded cache, CACHE_ENTRIES)."""
+        """Cache ``s`` under ``key`` while ``t`` is alive: the entry is dropped when ``t`` dies
+        (bounded memory: only live tensors' entries stay; at most CACHE_ENTRIES, oldest first)."""
         try:
-            s.ref = weakref.ref(t)
+            s.ref = _Ref(t, self._dead, key)
         except TypeError:
             return  # not weakly referenceable: never reused
         cache = self._cache
         cache[key] = s
         if len(cache) > CACHE_ENTRIES:
             cache.popitem(last=False)
+
+    def _dead_entry(self, ref: _Ref) -> None:
+        s = self._cache.get(ref.key)
+        if s is not None and s.ref is ref:  # not an entry re-made since for another tensor
+            del self._cache[ref.key]
 
     def entry(self, call: Call, slot: str, t: torch.Tensor, output: bool, *, fresh: bool = False) -> dict[str, Any]:
         e: dict[str, Any] = {"slot": slot, "dtype": records.dtype_name(t.dtype), "shape": list(t.shape),
