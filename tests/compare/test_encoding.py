@@ -119,3 +119,28 @@ def test_fast_encoder_refuses_what_the_record_path_must_judge(tmp_path: Path, ba
         em.capture_op(1, 0, em.head("A", "capture", 0), em.site_entry(SiteCache(None).get(obj)), 0,
                       b"A/rank0/capture/0", obj, {}, ("undetermined", "x", "unaligned"), None)
     w.abort()
+
+
+def test_fast_pass1_equals_the_generic_index(tmp_path: Path) -> None:
+    """Pass 1 over capture streams (engine._index_capture, inlined) gives the keys, anchors and
+    positions that Stream.index_fields (the generic definition) gives."""
+    from opguard.compare import engine
+    from opguard.compare.sources import open_run
+
+    recs = _records()
+    recs[3]["inputs"][0]["digest"] = ""                     # no digest: not part of the anchor
+    recs[6]["src"] = None                                   # no source-line digest
+    recs.append({**recs[0], "seq": 11})                     # a repeated anchor (not unique)
+    synth.write_rank(tmp_path / "run", 0, recs)
+    with open_run(str(tmp_path / "run"), "A") as run:
+        st = run.streams[(0, "capture")]
+        table, idx = engine._index_local(st)
+        expect = list(st.index_fields())
+    assert [table[k] for k in idx.keys] == [e[0] for e in expect]
+    assert [table[k] for k in idx.line_keys] == [e[1] for e in expect]
+    assert list(idx.anchors) == [engine.anchor_hash(e[2]) if e[2] and not e[3] else engine.NO_ANCHOR
+                                 for e in expect]
+    assert idx.collectives == [i for i, e in enumerate(expect) if e[3]] and idx.collectives
+    assert idx.all_digests is False and all(e[4] for i, e in enumerate(expect) if i != 6)
+    assert list(zip(idx.files, idx.offsets, strict=True)) == [(e[5], e[6]) for e in expect]
+    assert [idx.sites[s].key for s in idx.site_ids] == [e[0] for e in expect]
