@@ -38,12 +38,6 @@ def _entry(e: bytes) -> bytes:
     return _DD + uv(len(e)) + e
 
 
-def _int_shape(v: Any) -> tuple[int, ...] | None:
-    if v.__class__ is list and all(x.__class__ is int for x in v):
-        return tuple(v)
-    return None
-
-
 class OpEncoder:
     def __init__(self, writer: ExportWriter) -> None:
         self.w = writer
@@ -56,7 +50,7 @@ class OpEncoder:
         self._corrs: dict[tuple[str, str, str], tuple[bytes, bytes, bytes]] = {}
         self._fnames: dict[str, bytes] = {}
         self._slot_heads: dict[tuple[Any, ...], tuple[bytes, bytes]] = {}
-        self._digest_pre: dict[tuple[str, int], bytes] = {}
+        self._str_pre: dict[tuple[str, int], bytes] = {}
         self._dpre: dict[int, bytes] = {}
         self._ni = self._n("index") + _DI
         self._nseq = self._n("seq") + _DI
@@ -74,11 +68,12 @@ class OpEncoder:
         return self._n(name) + _DS + uv(len(v)) + v
 
     def _sb(self, name: str, v: bytes) -> bytes:
-        """A string annotation whose value is already UTF-8 (framed as a dict entry)."""
-        pre = self._digest_pre.get((name, len(v)))
+        """A string annotation whose value is already UTF-8, framed as a dict entry (the bytes
+        before the value cached per name and length)."""
+        pre = self._str_pre.get((name, len(v)))
         if pre is None:
             n = self._n(name)
-            pre = self._digest_pre[(name, len(v))] = _DD + uv(len(n) + len(_DS) + len(uv(len(v))) + len(v)) + \
+            pre = self._str_pre[(name, len(v))] = _DD + uv(len(n) + len(_DS) + len(uv(len(v))) + len(v)) + \
                 n + _DS + uv(len(v))
         return pre + v
 
