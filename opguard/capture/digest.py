@@ -1,7 +1,7 @@
 """Content digests and fused output statistics, computed on the tensor's device (``docs/capture.md`` §5).
 
 Nothing here synchronises with the device: every function returns small device tensors (an int64
-scalar per digest, six float64 values per statistics row) that the session stacks and fetches
+scalar per digest, six values per statistics row, float32 or float64) that the session stacks and fetches
 in batches. The final mixing of a digest (with the element count) happens on the host.
 """
 

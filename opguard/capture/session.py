@@ -2,7 +2,7 @@
 
 The interception layers (``mode.py``, ``dispatch.py``, ``collectives.py``) call
 :meth:`Session.begin` / :meth:`Session.finish`; tensor work is queued on the device and fetched
-with one stacked ``.cpu()`` per kind every ``buffer`` records (``docs/capture.md`` §8).
+with one stacked ``.cpu()`` per device, kind and dtype every ``buffer`` records (``docs/capture.md`` §8).
 """
 
 from __future__ import annotations
