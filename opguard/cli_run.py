@@ -105,7 +105,6 @@ def run_command(command: tuple[str, ...], plan_only: bool, as_json: bool, quiet:
 def _run(cmd: list[str], plan_only: bool, as_json: bool, quiet: bool, verbose: bool, forward_signals: str,
          warning_signal: str, forward_warning: bool, kill_grace: float, drain_timeout: float | None,
          report_json: Path | None, no_countdown: bool, mountinfo: Path, capture: bool = False) -> int:
-    from opguard.launcher.plan import build_plan, render
     from opguard.launcher.preflight import run_preflight
 
     forward = parse_signals(forward_signals, "--forward-signals")
@@ -121,6 +120,8 @@ def _run(cmd: list[str], plan_only: bool, as_json: bool, quiet: bool, verbose: b
         signal.signal(warn[0], lambda signum, _frame: early.append(signum))
     capture_env = _capture_env() if capture else None  # bad OPGUARD_CAPTURE_* values: exit 2 before anything
     pf = run_preflight(cmd, os.environ, mountinfo=mountinfo)
+    if plan_only or verbose or not pf.ok:
+        from opguard.launcher.plan import build_plan, render  # the derived numbers: only when shown
     if plan_only:
         plan = build_plan(pf, cmd)
         if as_json:

@@ -32,7 +32,6 @@ from typing import Any
 import psutil
 
 from opguard.launcher import countdown
-from opguard.launcher.plan import effective_cap, stagger
 from opguard.launcher.preflight import Preflight
 from opguard.launcher.report import RunReport, default_report_path, write_report
 from opguard.launcher.schedule import next_slot, run_phase_shift
@@ -305,6 +304,8 @@ class Supervisor:
             interval = self.config.sync_interval
             # node k of N syncs at phase k/N of the interval on the wall clock (shifted per run), so the
             # stagger holds whatever each wrapper's start-up and settle time were
+            from opguard.launcher.plan import stagger
+
             self.sync_phase = (stagger(self.identity, interval)
                                + run_phase_shift(self.config.run_id or "", interval)) % interval
             wall = time.time()
@@ -482,6 +483,8 @@ class Supervisor:
         from opguard.staging.layout import Layout
 
         remaining = end - time.time()
+        from opguard.launcher.plan import effective_cap
+
         cap = effective_cap(self.config, self.identity.node_count).cap_mib_s
         pending = backlog_bytes(Layout(self.config), self.identity.owned_ranks(),
                                 self.identity.node_id if self.identity.node_duty else None)
@@ -508,6 +511,8 @@ class Supervisor:
         self.settle_until = time.monotonic() + max(0.0, time.time() - self.started_at) + LAUNCH_SKEW_S
         for r in self.identity.owned_ranks() or []:
             layout.rank_dir(r).mkdir(parents=True, exist_ok=True)  # the rank's stream exists from the start
+        from opguard.launcher.plan import effective_cap
+
         cap = effective_cap(self.config, self.identity.node_count).cap_mib_s
         self.sidecar = Sidecar(self.identity, node_env(env, cap), self.workdir, self.opts.verbose, self.say,
                                started_at=self.started_at, warning=self.opts.warning)
