@@ -173,7 +173,7 @@ class Session:
         prev = torch.is_grad_enabled()
         torch._C._set_grad_enabled(False)
         try:
-            d = t.detach() if t.requires_grad else t
+            d = t  # grad mode is off: no graph is built, no detach (one dispatch) needed
             digest = None
             if s is not None:
                 digest = s.digest
