@@ -8,6 +8,8 @@ Files under the node directory (``node_dir``), published as the node stream:
   backend-specific), Python and package versions.
 * ``source-index.json``: every indexed source file (path, size, SHA-256) of the program.
 * ``source/<path>``: copies of those files, for source-aware comparisons.
+* ``capture-source-index.json`` and ``capture-source/<sha256[:16]>/<name>``: the files the capture's
+  call sites name (``capture/sources.json`` of the node's ranks), copied before each final drain.
 
 Nothing here imports torch: package versions come from ``importlib.metadata``.
 """
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.metadata
+import json
 import os
 import platform
 import re
@@ -174,3 +177,59 @@ def write_node_metadata(node_dir: Path, identity: Identity, cmd: Sequence[str], 
     write_file_atomic(node_dir / "source-index.json",
                       dump_json({"version": 1, "root": str(root) if root else None, "files": entries}))
     return len(entries)
+
+
+CAPTURE_SOURCES_DIRNAME = "capture-source"
+
+
+def add_capture_sources(node_dir: Path, ranks_dir: Path) -> int:
+    """Copy the files named in the ``capture/sources.json`` of every rank on this node (the call
+    sites' files, docs/capture.md §9) into ``node_dir/capture-source/<sha256[:16]>/<name>``, with
+    ``capture-source-index.json`` listing them. A file is copied only while its bytes still have
+    the SHA-256 the capture recorded (an edited file is not what ran: it is listed with the reason);
+    files already copied are skipped, so calling this before every drain costs one stat per rank.
+    Bounded like the program's source index. Returns the number of files copied now."""
+    index_path = node_dir / "capture-source-index.json"
+    try:
+        index: dict[str, Any] = json.loads(index_path.read_text())
+    except (OSError, ValueError):
+        index = {"version": 1, "files": {}}
+    files: dict[str, Any] = index.setdefault("files", {})
+    total = sum(int(e.get("size", 0)) for e in files.values() if isinstance(e, dict))
+    known = len(files)
+    copied = 0
+    for sources in sorted(ranks_dir.glob("*/capture/sources.json")):
+        try:
+            doc = json.loads(sources.read_text())
+        except (OSError, ValueError):
+            continue
+        for f in doc.get("files", []) if isinstance(doc, dict) else []:
+            path, digest = (f.get("path"), f.get("sha256")) if isinstance(f, dict) else (None, None)
+            if not isinstance(path, str) or not isinstance(digest, str) or f"{digest}:{path}" in files:
+                continue
+            key = f"{digest}:{path}"
+            if len(files) >= MAX_SOURCE_FILES:
+                break
+            try:
+                data = Path(path).read_bytes() if Path(path).stat().st_size <= MAX_FILE_BYTES else None
+            except OSError as e:
+                files[key] = {"path": path, "sha256": digest, "copy": None, "error": e.strerror or str(e)}
+                continue
+            if data is None or total + len(data) > MAX_SOURCE_BYTES:
+                files[key] = {"path": path, "sha256": digest, "copy": None, "error": "over the size bound"}
+                continue
+            if hashlib.sha256(data).hexdigest() != digest:
+                files[key] = {"path": path, "sha256": digest, "copy": None,
+                              "error": "changed since the capture recorded it (not what ran)"}
+                continue
+            rel = f"{CAPTURE_SOURCES_DIRNAME}/{digest[:16]}/{os.path.basename(path)}"
+            dest = node_dir / rel
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            write_file_atomic(dest, data)
+            files[key] = {"path": path, "sha256": digest, "size": len(data), "copy": rel}
+            total += len(data)
+            copied += 1
+    if len(files) != known:
+        node_dir.mkdir(parents=True, exist_ok=True)
+        write_file_atomic(index_path, dump_json(index))
+    return copied

@@ -222,11 +222,13 @@ class Supervisor:
         if self.child_code is not None:
             if not self.final_after_exit_done:
                 self.final_after_exit_done = True
+                self._capture_sources()
                 sc.start(final=True)
             return
         if self.drain_requested is not None:
             if self.next_drain is None or now >= self.next_drain:
                 self.next_drain = None
+                self._capture_sources()
                 sc.start(final=True)
             return
         if self.next_sync is not None and now >= self.next_sync:
@@ -532,6 +534,26 @@ class Supervisor:
             return
         if self.opts.verbose:
             self.say(f"opguard-run: node metadata written ({n} source file(s) indexed)")
+
+    def _capture_sources(self) -> None:
+        """Local rank 0, before a final drain: the files the capture's call sites name, into the node
+        metadata (docs/capture.md §9), so a comparison can show the source lines that ran."""
+        if not self.identity.node_duty or self.config is None:
+            return
+        from opguard.launcher.nodeinfo import add_capture_sources
+        from opguard.staging.layout import RANKS_DIRNAME, Layout
+
+        layout = Layout(self.config)
+        ranks = layout.rank_dir(0).parent
+        if not ranks.is_dir() or ranks.name != RANKS_DIRNAME:
+            return
+        try:
+            n = add_capture_sources(layout.node_dir(self.identity.node_id), ranks)
+        except OSError as e:
+            self.say(f"opguard-run: could not copy the capture's source files into the node metadata: {e}")
+            return
+        if n and self.opts.verbose:
+            self.say(f"opguard-run: {n} source file(s) named by the capture copied into the node metadata")
 
     def _finish(self) -> int:
         assert self.child_code is not None
