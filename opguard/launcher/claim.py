@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import socket
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -66,14 +65,14 @@ def conflicts_dir(target: Path, node_id: str) -> Path:
 
 
 def claim_record(node_id: str, run_id: str) -> dict[str, object]:
-    return {"version": 2, "node_id": node_id, "hostname": socket.gethostname(), "machine_id": machine_id(),
+    return {"version": 2, "node_id": node_id, "hostname": os.uname().nodename, "machine_id": machine_id(),
             "boot_id": boot_id(), "run_id": run_id, "claimed_at": time.time()}
 
 
 def _conflict(path: Path, existing: object, node_id: str) -> ConfigError | None:
     if not isinstance(existing, dict):
         return ConfigError(f"node claim {path} is not a JSON object", "use a new output directory")
-    mine = (socket.gethostname(), machine_id())
+    mine = (os.uname().nodename, machine_id())
     theirs = (existing.get("hostname"), existing.get("machine_id"))
     if theirs != mine:
         return NodeIdConflict(
@@ -120,10 +119,10 @@ def _job_id() -> str | None:
 def record_conflict(target: Path, err: NodeIdConflict, node_id: str) -> Path | None:
     """The refused claimant's marker (create-if-absent, never overwritten), naming the claim it
     collided with; None if it could not be written (the refusal stands; the caller says so)."""
-    host = re.sub(r"[^A-Za-z0-9._-]", "-", socket.gethostname()).lstrip(".")[:64] or "host"
+    host = re.sub(r"[^A-Za-z0-9._-]", "-", os.uname().nodename).lstrip(".")[:64] or "host"
     d = conflicts_dir(target, node_id)
     path = d / f"{host}-{os.getpid()}-{time.time_ns()}.json"
-    doc = {"version": 1, "node_id": node_id, "hostname": socket.gethostname(), "machine_id": machine_id(),
+    doc = {"version": 1, "node_id": node_id, "hostname": os.uname().nodename, "machine_id": machine_id(),
            "boot_id": boot_id(), "pid": os.getpid(), "job_id": _job_id(), "recorded_at": time.time(),
            "claim": {k: err.claim.get(k) for k in ("hostname", "machine_id", "boot_id", "claimed_at")}}
     try:
@@ -142,7 +141,7 @@ def find_conflicts(target: Path, node_id: str, since: float) -> list[dict[str, o
         names = sorted(os.listdir(d))
     except FileNotFoundError:
         return []
-    mine = (socket.gethostname(), machine_id())
+    mine = (os.uname().nodename, machine_id())
     job = _job_id()
     found = []
     for name in names:

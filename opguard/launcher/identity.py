@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -404,7 +403,7 @@ def resolve(env: Mapping[str, str] | None = None, cmd: Sequence[str] = (), hostn
             ) -> tuple[Identity, list[ConfigError]]:
     """Resolve the identity; returns it with every problem found (empty: consistent)."""
     env = os.environ if env is None else env
-    hostname = socket.gethostname() if hostname is None else hostname
+    hostname = os.uname().nodename if hostname is None else hostname
     problems = Problems()
     sources: dict[str, str] = {}
     notes: list[str] = []

@@ -5,14 +5,16 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from opguard.launcher.identity import Identity
-from opguard.launcher.sidecar import SyncResult
 from opguard.staging.config import StagingConfig
 from opguard.staging.fsutil import atomic_replace_json
 from opguard.staging.layout import Layout, node_stream, rank_stream
 from opguard.staging.units import format_bytes
+
+if TYPE_CHECKING:
+    from opguard.launcher.sidecar import SyncResult
 
 REPORT_VERSION = 1
 

@@ -27,15 +27,17 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
-from typing import Any
-
-import psutil
+from typing import TYPE_CHECKING, Any
 
 from opguard.launcher import countdown
 from opguard.launcher.preflight import Preflight
 from opguard.launcher.report import RunReport, default_report_path, write_report
 from opguard.launcher.schedule import next_slot, run_phase_shift
-from opguard.launcher.sidecar import Sidecar, SyncResult, node_env
+
+if TYPE_CHECKING:  # psutil and the sidecar load after the command started (start-up: docs/benchmarks.md)
+    import psutil
+
+    from opguard.launcher.sidecar import Sidecar, SyncResult
 
 PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
@@ -99,6 +101,8 @@ class Tree:
     protected: set[int] = field(default_factory=set)  # direct children reaped by Popen, never here
 
     def refresh(self, exclude: set[int]) -> None:
+        import psutil
+
         try:
             kids = psutil.Process().children(recursive=True)
         except psutil.Error:
@@ -110,6 +114,8 @@ class Tree:
                 self.seen.setdefault(p.pid, p.create_time())
 
     def alive(self) -> list[psutil.Process]:
+        import psutil
+
         out = []
         for pid, ctime in list(self.seen.items()):
             try:
@@ -125,6 +131,8 @@ class Tree:
         return out
 
     def signal_all(self, sig: int) -> int:
+        import psutil
+
         n = 0
         for p in self.alive():
             with contextlib.suppress(psutil.Error):
@@ -296,6 +304,8 @@ class Supervisor:
         self.tree.protected.add(self.child.pid)
         child_fd = os.pidfd_open(self.child.pid)
         sel.register(child_fd, selectors.EVENT_READ, "child")
+        if self.staging:
+            self._start_sidecar(env)
         if self.staging and self.identity.node_duty:
             self._node_metadata(env)
         now = time.monotonic()
@@ -513,9 +523,16 @@ class Supervisor:
         self.settle_until = time.monotonic() + max(0.0, time.time() - self.started_at) + LAUNCH_SKEW_S
         for r in self.identity.owned_ranks() or []:
             layout.rank_dir(r).mkdir(parents=True, exist_ok=True)  # the rank's stream exists from the start
+
+    def _start_sidecar(self, env: dict[str, str]) -> None:
+        """Right after the command started: no sync runs before the settle time, so the sidecar (and
+        psutil) need not delay the command's start."""
+        assert self.config is not None
         from opguard.launcher.plan import effective_cap
 
         cap = effective_cap(self.config, self.identity.node_count).cap_mib_s
+        from opguard.launcher.sidecar import Sidecar, node_env
+
         self.sidecar = Sidecar(self.identity, node_env(env, cap), self.workdir, self.opts.verbose, self.say,
                                started_at=self.started_at, warning=self.opts.warning)
 
@@ -583,10 +600,14 @@ class Supervisor:
 
 
 def _process_start() -> float:
-    """This process's start (wall clock)."""
+    """This process's start (wall clock): /proc/self/stat's start time after boot (clock ticks) plus
+    the boot time from /proc/stat (what psutil computes, without importing it before the command)."""
     try:
-        return float(psutil.Process().create_time())
-    except psutil.Error:
+        stat = Path("/proc/self/stat").read_text()
+        ticks = int(stat[stat.rindex(")") + 2:].split()[19])
+        btime = next(int(x.split()[1]) for x in Path("/proc/stat").read_text().splitlines() if x.startswith("btime "))
+        return btime + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
         return time.time()
 
 

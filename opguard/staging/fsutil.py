@@ -6,7 +6,6 @@ import ctypes
 import errno
 import json
 import os
-import secrets
 import sys
 from pathlib import Path
 from typing import Any
@@ -55,7 +54,7 @@ def syncfs(path: Path) -> bool:
 
 
 def tmp_name(final: Path, prefix: str = ".opguard-tmp-") -> Path:
-    return final.with_name(f"{prefix}{final.name}.{secrets.token_hex(6)}")
+    return final.with_name(f"{prefix}{final.name}.{os.urandom(6).hex()}")
 
 
 def write_bytes_durable(path: Path, data: bytes) -> None:

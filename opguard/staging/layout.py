@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -64,7 +63,7 @@ def current_node_id(config: StagingConfig, env: Mapping[str, str] | None = None)
         value = env.get(name, "").strip()
         if value:
             return validate_node_id(name, value)
-    host = socket.gethostname().split(".")[0]
+    host = os.uname().nodename.split(".")[0]
     return validate_node_id("hostname (set OPGUARD_NODE_ID to override)", host)
 
 

@@ -17,8 +17,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import filelock
-
 from opguard.errors import ConfigError, IdentityError, LockTimeout
 from opguard.staging.bundle import FORMAT_VERSION, parse_batch_name
 from opguard.staging.checkpoint import Checkpoint, Pending, load_checkpoint, load_pending
@@ -283,6 +281,8 @@ def _record_local_run(config: StagingConfig, layout: Layout, s: Staging, node_id
     """Create ``run.json`` if absent, under the node-local run lock, first removing its orphaned
     temporaries: every creator holds the lock, so a temporary seen under it belongs to a process
     that died between writing it and linking it (``docs/protocol.md``, step 3)."""
+    import filelock  # here, not at the top: opguard-run's preflight imports this module (start-up)
+
     layout.locks_dir.mkdir(parents=True, exist_ok=True)
     lock = filelock.FileLock(os.fspath(layout.run_lock), timeout=config.lock_timeout)
     try:
