@@ -41,7 +41,8 @@ PORT=$((29500 + SLURM_JOB_ID % 1000))
 # aborted at connect, "terminate called without an active exception", and the other node waited
 # for the time limit); a restart re-runs the whole group and the assertions below still hold
 srun -n "$SLURM_NNODES" --ntasks-per-node=1 {BIN}/torchrun --nnodes="$SLURM_NNODES" --nproc-per-node=2 \\
-  --max-restarts=1 --rdzv-backend=c10d --rdzv-endpoint="$FIRST:$PORT" --rdzv-id="$SLURM_JOB_ID" {APPS}/ddp_check.py {workdir}
+  --max-restarts=1 --rdzv-backend=c10d --rdzv-endpoint="$FIRST:$PORT" --rdzv-id="$SLURM_JOB_ID" \\
+  {APPS}/ddp_check.py {workdir}
 """)
     job = cluster.wait(cluster.sbatch(script, "-N", "2", "--ntasks-per-node=1", "-t", "3",
                                       "-o", str(workdir / "out-%j.txt")), timeout=150)

@@ -211,6 +211,6 @@ def test_time_limit_without_a_warning_signal_the_countdown_drains(cluster: Clust
         "rank-*/*.seal") if json.loads(p.read_text())["sealed_at"] < t_term}
     assert sealed == {0, 1, 2}, "the countdown's drain did not seal every rank stream before SIGTERM"
     restored = run.restore()
-    for r, (_node, d) in run.local_rank_dirs().items():
+    for r in run.local_rank_dirs():
         pub = [x["step"] for x in records(restored / "ranks" / f"rank-{r:06d}" / "trace.jsonl")]
         assert len(pub) > 10 and pub == list(range(pub[0], pub[0] + len(pub))), pub[:20]
