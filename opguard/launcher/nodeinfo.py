@@ -182,45 +182,58 @@ def write_node_metadata(node_dir: Path, identity: Identity, cmd: Sequence[str], 
 CAPTURE_SOURCES_DIRNAME = "capture-source"
 
 
-def add_capture_sources(node_dir: Path, ranks_dir: Path) -> int:
+def add_capture_sources(node_dir: Path, ranks_dir: Path) -> tuple[int, list[str]]:
     """Copy the files named in the ``capture/sources.json`` of every rank on this node (the call
     sites' files, docs/capture.md §9) into ``node_dir/capture-source/<sha256[:16]>/<name>``, with
     ``capture-source-index.json`` listing them. A file is copied only while its bytes still have
-    the SHA-256 the capture recorded (an edited file is not what ran: it is listed with the reason);
-    files already copied are skipped, so calling this before every drain costs one stat per rank.
-    Bounded like the program's source index. Returns the number of files copied now."""
+    the SHA-256 the capture recorded (an edited file is not what ran); a file that is not copied is
+    listed with the reason. Entries already listed are skipped, so a call before every drain re-reads
+    only the ranks' small index files. Bounded like the program's source index.
+
+    Returns (files copied now, problems found now: one line each, for the caller to report)."""
     index_path = node_dir / "capture-source-index.json"
     try:
         index: dict[str, Any] = json.loads(index_path.read_text())
     except (OSError, ValueError):
-        index = {"version": 1, "files": {}}
+        index = {"version": 1, "files": {}, "unreadable": {}}
     files: dict[str, Any] = index.setdefault("files", {})
+    unreadable: dict[str, str] = index.setdefault("unreadable", {})
     total = sum(int(e.get("size", 0)) for e in files.values() if isinstance(e, dict))
-    known = len(files)
+    known = len(files) + len(unreadable)
     copied = 0
+    problems: list[str] = []
+
+    def refuse(key: str, path: str, digest: str, why: str) -> None:
+        files[key] = {"path": path, "sha256": digest, "copy": None, "error": why}
+        problems.append(f"{path} was not copied into the node metadata: {why}")
+
     for sources in sorted(ranks_dir.glob("*/capture/sources.json")):
         try:
             doc = json.loads(sources.read_text())
-        except (OSError, ValueError):
+        except (OSError, ValueError) as e:
+            if str(sources) not in unreadable:
+                unreadable[str(sources)] = str(e)
+                problems.append(f"{sources} is unreadable ({e}); the files it names are not copied")
             continue
         for f in doc.get("files", []) if isinstance(doc, dict) else []:
             path, digest = (f.get("path"), f.get("sha256")) if isinstance(f, dict) else (None, None)
-            if not isinstance(path, str) or not isinstance(digest, str) or f"{digest}:{path}" in files:
-                continue
+            if not isinstance(path, str) or not isinstance(digest, str):
+                continue  # a file capture could not read is listed there with its error already
             key = f"{digest}:{path}"
-            if len(files) >= MAX_SOURCE_FILES:
-                break
+            if key in files or len(files) >= MAX_SOURCE_FILES:
+                continue
             try:
-                data = Path(path).read_bytes() if Path(path).stat().st_size <= MAX_FILE_BYTES else None
+                size = Path(path).stat().st_size
+                data = Path(path).read_bytes() if size <= MAX_FILE_BYTES else None
             except OSError as e:
-                files[key] = {"path": path, "sha256": digest, "copy": None, "error": e.strerror or str(e)}
+                refuse(key, path, digest, e.strerror or str(e))
                 continue
             if data is None or total + len(data) > MAX_SOURCE_BYTES:
-                files[key] = {"path": path, "sha256": digest, "copy": None, "error": "over the size bound"}
+                refuse(key, path, digest, f"over the size bound ({MAX_FILE_BYTES} bytes a file, "
+                                          f"{MAX_SOURCE_BYTES} in all)")
                 continue
             if hashlib.sha256(data).hexdigest() != digest:
-                files[key] = {"path": path, "sha256": digest, "copy": None,
-                              "error": "changed since the capture recorded it (not what ran)"}
+                refuse(key, path, digest, "changed since the capture recorded it (not what ran)")
                 continue
             rel = f"{CAPTURE_SOURCES_DIRNAME}/{digest[:16]}/{os.path.basename(path)}"
             dest = node_dir / rel
@@ -229,7 +242,7 @@ def add_capture_sources(node_dir: Path, ranks_dir: Path) -> int:
             files[key] = {"path": path, "sha256": digest, "size": len(data), "copy": rel}
             total += len(data)
             copied += 1
-    if len(files) != known:
+    if len(files) + len(unreadable) != known:
         node_dir.mkdir(parents=True, exist_ok=True)
         write_file_atomic(index_path, dump_json(index))
-    return copied
+    return copied, problems

@@ -492,11 +492,10 @@ class Supervisor:
             self.next_countdown = now + 60.0
             return
         from opguard.launcher.backlog import backlog_bytes
+        from opguard.launcher.plan import effective_cap
         from opguard.staging.layout import Layout
 
         remaining = end - time.time()
-        from opguard.launcher.plan import effective_cap
-
         cap = effective_cap(self.config, self.identity.node_count).cap_mib_s
         pending = backlog_bytes(Layout(self.config), self.identity.owned_ranks(),
                                 self.identity.node_id if self.identity.node_duty else None)
@@ -558,17 +557,17 @@ class Supervisor:
         if not self.identity.node_duty or self.config is None:
             return
         from opguard.launcher.nodeinfo import add_capture_sources
-        from opguard.staging.layout import RANKS_DIRNAME, Layout
+        from opguard.staging.layout import Layout
 
         layout = Layout(self.config)
-        ranks = layout.rank_dir(0).parent
-        if not ranks.is_dir() or ranks.name != RANKS_DIRNAME:
-            return
         try:
-            n = add_capture_sources(layout.node_dir(self.identity.node_id), ranks)
+            n, problems = add_capture_sources(layout.node_dir(self.identity.node_id), layout.rank_dir(0).parent)
         except OSError as e:
-            self.say(f"opguard-run: could not copy the capture's source files into the node metadata: {e}")
+            self.say(f"opguard-run: warning: could not copy the capture's source files into the node metadata: {e}; "
+                     "a comparison of this run shows no source lines for them")
             return
+        for p in problems:  # each once: the index remembers it
+            self.say(f"opguard-run: warning: {p}")
         if n and self.opts.verbose:
             self.say(f"opguard-run: {n} source file(s) named by the capture copied into the node metadata")
 

@@ -407,8 +407,9 @@ def _payload_of(ctx: _Ctx, pending: Pending) -> int:
 
 def stream_workers(streams: int) -> int:
     """How many streams one sync builds at once: one per CPU this process may run on, at most
-    MAX_STREAM_WORKERS (each builder holds a compression context and a read buffer, ~10 MiB: bench
-    (e)), never more than there are streams. Uploads stay one at a time per node (the upload lock)."""
+    MAX_STREAM_WORKERS (each builder holds a compression context and its read buffers: peak RSS of
+    one sync of 8 x 5,000 files of 16 KiB was 53 MiB at 2 workers, 76 MiB at 4, 73 MiB at 1 with a zstd
+    worker thread), never more than there are streams. Uploads stay one at a time per node (the upload lock)."""
     try:
         cpus = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):

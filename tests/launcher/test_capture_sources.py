@@ -33,14 +33,16 @@ def test_add_capture_sources_copies_what_ran_and_says_why_not(tmp_path: Path) ->
     edited.write_text("y = 2\n")  # edited after the run: its bytes are not what ran
     gone.unlink()
     node = tmp_path / "node"
-    assert add_capture_sources(node, ranks) == 1
+    copied, problems = add_capture_sources(node, ranks)
+    assert copied == 1
+    assert len(problems) == 2 and any(str(edited) in p and "changed since" in p for p in problems), problems
     index = json.loads((node / "capture-source-index.json").read_text())["files"]
     by_path = {e["path"]: e for e in index.values()}
     assert (node / by_path[str(same)]["copy"]).read_bytes() == same.read_bytes()
     assert by_path[str(edited)]["copy"] is None and "changed since" in by_path[str(edited)]["error"]
     assert by_path[str(gone)]["copy"] is None and by_path[str(gone)]["error"]
     before = sorted(p for p in node.rglob("*"))
-    assert add_capture_sources(node, ranks) == 0  # already there: nothing copied again
+    assert add_capture_sources(node, ranks) == (0, [])  # already listed: nothing copied or said again
     assert sorted(p for p in node.rglob("*")) == before
 
 
