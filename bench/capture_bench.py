@@ -2,7 +2,11 @@
 in the same process (alternating blocks), trace bytes per step, peak extra RSS (separate processes).
 
     .venv/bin/python bench/capture_bench.py [--layers 4 --width 256 --seq 128 --batch 8 --steps 6]
-        [--modes full,sample,xor,none] [--level function] [--threads 1] [--json out.json]
+        [--modes full,sample,xor,none,full@torch] [--level function] [--threads 1] [--json out.json]
+
+A mode is a digest mode (``docs/capture.md`` §5), optionally ``@torch`` (CPU tensors summarised
+with PyTorch ops instead of the native host kernel, §5.2) or ``@native``; ``intercept`` is the
+interception alone (no call selected).
 
 Ratios: median captured step / median baseline step, for wall time (``ratio``) and for the main
 thread's CPU time (``cpu_ratio``, less disturbed by other processes on a shared machine); the
@@ -55,6 +59,14 @@ def timed_steps(model, opt, idx, tgt, n: int, cpu: list[float]) -> list[float]: 
     return out
 
 
+def mode_kwargs(mode: str) -> dict[str, str]:
+    """capture() keywords of a bench mode (``full``, ``none@torch``, ``intercept``)."""
+    if mode == "intercept":  # the function mode, call-site lookup and selection only (nothing matches)
+        return {"digest": "none", "functions": "-nothing-"}
+    digest, _, kernel = mode.partition("@")
+    return {"digest": digest, "host_kernel": kernel or "auto"}
+
+
 def trace_bytes(base: Path) -> int:
     return sum(p.stat().st_size for p in base.rglob("*") if p.is_file())
 
@@ -85,8 +97,7 @@ def run_times(args: argparse.Namespace) -> dict[str, object]:
                 continue
             out = tmp / f"{mode}-{rnd}"
             env = {"OPGUARD_TRACE_OUTPUT_BASE": str(out)}
-            # "intercept": the function mode, call-site lookup and selection only (nothing matches)
-            kw = {"digest": "none", "functions": "-nothing-"} if mode == "intercept" else {"digest": mode}
+            kw = mode_kwargs(mode)
             times = []
             cpus = []
             cap = oc.capture(env=env, level=args.level, buffer=args.buffer, **kw)
@@ -120,19 +131,30 @@ def run_times(args: argparse.Namespace) -> dict[str, object]:
 
 
 def breakdown(args: argparse.Namespace) -> dict[str, float]:
-    """One captured step (digest full) with the device work timed: where the cost is."""
+    """One captured step (digest full) with the tensor work timed: where the cost is. With the
+    native host kernel (``--host-kernel native``, the default where built) its calls are
+    ``host_kernel_s``; with ``torch`` the PyTorch-ops digest and statistics are timed."""
     import torch
 
     import opguard.capture as oc
     from opguard.capture import digest as dg
+    from opguard.capture import hostkernel as hk
     from opguard.capture import session as se
     from tests.capture.progs.models import transformer_step
 
     torch.set_num_threads(args.threads)
     model, opt, idx, tgt = setup(args)
     transformer_step(model, opt, idx, tgt)
-    acc = {"digest_s": 0.0, "stats_s": 0.0, "tensors": 0.0, "elements": 0.0}
-    full, row = dg.Digester._full, se.stats_row
+    acc = {"digest_s": 0.0, "stats_s": 0.0, "host_kernel_s": 0.0, "tensors": 0.0, "elements": 0.0}
+    full, row, native = dg.Digester._full, se.stats_row, hk.summary
+
+    def timed_native(kernel: object, d: torch.Tensor, digest: bool, code: int | None) -> object:
+        t0 = time.perf_counter()
+        r = native(kernel, d, digest, code)
+        acc["host_kernel_s"] += time.perf_counter() - t0
+        acc["tensors"] += 1
+        acc["elements"] += d.numel()
+        return r
 
     def timed_full(self: dg.Digester, t: torch.Tensor) -> torch.Tensor:
         t0 = time.perf_counter()
@@ -150,8 +172,10 @@ def breakdown(args: argparse.Namespace) -> dict[str, float]:
 
     dg.Digester._full = timed_full  # type: ignore[method-assign]
     se.stats_row = timed_row
+    hk.summary = timed_native  # type: ignore[assignment]
     try:
-        with tempfile.TemporaryDirectory() as d, oc.capture(env={"OPGUARD_TRACE_OUTPUT_BASE": d}):
+        with tempfile.TemporaryDirectory() as d, oc.capture(env={"OPGUARD_TRACE_OUTPUT_BASE": d},
+                                                            host_kernel=args.host_kernel):
             oc.step(0)
             transformer_step(model, opt, idx, tgt)
             for k in acc:
@@ -162,6 +186,7 @@ def breakdown(args: argparse.Namespace) -> dict[str, float]:
             acc["captured_step_s"] = time.perf_counter() - t0
     finally:
         dg.Digester._full = full  # type: ignore[method-assign]
+        hk.summary = native
         se.stats_row = row
     t0 = time.perf_counter()
     transformer_step(model, opt, idx, tgt)
@@ -189,7 +214,7 @@ def child_rss(args: argparse.Namespace) -> None:
     model, opt, idx, tgt = setup(args)
     if args.child_rss != "off":
         with tempfile.TemporaryDirectory() as d, oc.capture(env={"OPGUARD_TRACE_OUTPUT_BASE": d},
-                                                            digest=args.child_rss, level=args.level):
+                                                            level=args.level, **mode_kwargs(args.child_rss)):
             for i in range(args.steps):
                 oc.step(i)
                 transformer_step(model, opt, idx, tgt)
@@ -213,10 +238,12 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--buffer", type=int, default=256)
     ap.add_argument("--level", default="function")
-    ap.add_argument("--modes", default="full,sample,xor,none,intercept",
-                    help="digest modes to time; 'intercept' = interception only (no call selected)")
+    ap.add_argument("--modes", default="full,sample,xor,none,intercept,full@torch,none@torch",
+                    help="digest modes to time (MODE or MODE@torch|MODE@native for the CPU kernel); "
+                    "'intercept' = interception only (no call selected)")
     ap.add_argument("--no-rss", action="store_true")
     ap.add_argument("--breakdown", action="store_true", help="time the digest and statistics work of one step")
+    ap.add_argument("--host-kernel", default="auto", help="--breakdown: auto, native or torch")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--child-rss", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()

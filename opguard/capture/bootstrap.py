@@ -38,6 +38,11 @@ def child_env(env: Mapping[str, str], options: CaptureOptions | None = None) -> 
     if not (SITE_DIR / "sitecustomize.py").is_file():
         raise ConfigError(f"the capture bootstrap {SITE_DIR / 'sitecustomize.py'} is missing",
                           "reinstall opguard (the package data is incomplete)")
+    if opts.host_kernel == "native" and not native_kernel_present():
+        raise ConfigError(f"OPGUARD_CAPTURE_HOST_KERNEL=native, but the native host kernel is not built "
+                          f"(no _hostkernel extension module in {SITE_DIR.parent})",
+                          "reinstall opguard where a C compiler is available, or set "
+                          "OPGUARD_CAPTURE_HOST_KERNEL=auto or torch (docs/capture.md §5.2)")
     out = dict(env)
     out.update(opts.to_env())
     out[ENABLE] = "1"
@@ -46,6 +51,13 @@ def child_env(env: Mapping[str, str], options: CaptureOptions | None = None) -> 
     pkg_root = str(Path(__file__).resolve().parent.parent.parent)
     out["PYTHONPATH"] = os.pathsep.join([str(SITE_DIR), *parts, *([] if pkg_root in parts else [pkg_root])])
     return out
+
+
+def native_kernel_present() -> bool:
+    """Whether the built extension ``opguard.capture._hostkernel`` is installed (a file check: no
+    import, no torch). The child still imports it and says why if it cannot."""
+    here = SITE_DIR.parent
+    return any((here / f"_hostkernel{suffix}").is_file() for suffix in importlib.machinery.EXTENSION_SUFFIXES)
 
 
 def is_agent(orig_argv: Sequence[str], argv: Sequence[str]) -> bool:

@@ -305,9 +305,14 @@ def stats_row(t: torch.Tensor) -> torch.Tensor:
 
 
 def finish_stats(row: list[float], n: int) -> dict[str, float | int]:
-    """Host side: mean, std (n-1), absmax from the fetched row."""
+    """Host side: mean, std (n-1), absmax from the fetched row (min, max, sum, 2-norm, counts)."""
     mn, mx, s, norm, nonfinite, inf = row
-    q = norm * norm
+    return finish_moments(mn, mx, s, norm * norm, int(nonfinite), int(inf), n)
+
+
+def finish_moments(mn: float, mx: float, s: float, q: float, nonfinite: int, inf: int,
+                   n: int) -> dict[str, float | int]:
+    """mean, std (n-1), absmax from min, max, sum, sum of squares ``q`` and the counts."""
     nan = nonfinite - inf
     mean = s / n
     if n > 1:

@@ -15,6 +15,7 @@ from opguard.errors import ConfigError
 
 LEVELS = ("function", "dispatch")
 DIGEST_MODES = ("full", "sample", "xor", "none")
+HOST_KERNELS = ("auto", "native", "torch")
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
 
@@ -93,6 +94,7 @@ class CaptureOptions:
     max_mb: float = 1024.0
     buffer: int = 256
     nested: bool = True
+    host_kernel: str = "auto"
 
     def __post_init__(self) -> None:
         if self.level not in LEVELS:
@@ -102,6 +104,10 @@ class CaptureOptions:
             raise ConfigError(f"digest mode {self.digest!r} is not one of {', '.join(DIGEST_MODES)}",
                               "set OPGUARD_CAPTURE_DIGEST (or digest=) to full, sample, xor or none "
                               "(docs/capture.md §5 says what each gives up)")
+        if self.host_kernel not in HOST_KERNELS:
+            raise ConfigError(f"host kernel {self.host_kernel!r} is not one of {', '.join(HOST_KERNELS)}",
+                              "set OPGUARD_CAPTURE_HOST_KERNEL (or host_kernel=) to auto (the native kernel when "
+                              "built), native (required) or torch (PyTorch ops; docs/capture.md §5.2)")
         if not (self.max_mb > 0):
             raise ConfigError(f"capture size cap {self.max_mb!r} MiB must be > 0",
                               "set OPGUARD_CAPTURE_MAX_MB (or max_mb=) to a positive number of MiB")

@@ -21,9 +21,9 @@ from typing import Any
 
 import torch
 
-from opguard.capture import dumps, records
+from opguard.capture import dumps, hostkernel, records
 from opguard.capture.callsite import Site, SiteTable
-from opguard.capture.digest import ALGORITHM, SAMPLE, Digester, finish, finish_stats, stats_row
+from opguard.capture.digest import ALGORITHM, SAMPLE, Digester, finish, finish_moments, finish_stats, stats_row
 from opguard.capture.dumps import DumpPolicy, matches
 from opguard.capture.options import CaptureOptions
 from opguard.capture.sourceindex import SourceIndex
@@ -70,8 +70,20 @@ class _Summary:
         self.digest = digest
         self.stats = stats
         self.n = n
-        self.hex: str | None = None  # the printed digest, once fetched (shared by every later use)
-        self.values: dict[str, Any] | None = None  # the JSON statistics, once fetched
+        self.hex: str | None = None  # the printed digest, once known (shared by every later use)
+        self.values: dict[str, Any] | None = None  # the JSON statistics, once known
+
+    @property
+    def has_digest(self) -> bool:
+        return self.digest is not None or self.hex is not None
+
+    @property
+    def has_stats(self) -> bool:
+        return self.stats is not None or self.values is not None
+
+
+def _json_stats(st: dict[str, float | int]) -> dict[str, Any]:
+    return {k: (records.json_float(x) if isinstance(x, float) else x) for k, x in st.items()}
 
 
 class Call:
@@ -95,6 +107,9 @@ class Session:
                               "use a new OPGUARD_TRACE_OUTPUT_BASE (or run ID) for every captured run")
         self.env = environ
         self.digester = Digester(options.digest)
+        # CPU tensors: the native one-pass kernel (hostkernel.py), else the same PyTorch ops as on accelerators
+        self.host = hostkernel.resolve(options.host_kernel, warn=environ.get("LOCAL_RANK", "0") == "0")
+        self.host_digest = self.host is not None and options.digest == "full"
         self.sites = SiteTable()
         self.sources = SourceIndex()
         self.policy = DumpPolicy(options)
@@ -160,13 +175,55 @@ class Session:
         else:
             key = (t.data_ptr(), t.shape, t.stride(), t.dtype, t.device, t._version)
         s = None if fresh or n == 0 else self._lookup(key)
-        if s is not None and (s.stats is not None or not want_stats):
+        if s is not None and (not want_stats or s.has_stats):
             return s
         self.busy += 1
         try:
+            if self.host is not None and t.is_cpu:
+                return self._summarize_host(t, key, s, n, want_stats and bool(n), not contiguous and not fresh)
             return self._summarize(t, key, s, n, want_stats and bool(n), not contiguous and not fresh)
         finally:
             self.busy -= 1
+
+    def _summarize_host(self, t: torch.Tensor, key: tuple[Any, ...], s: _Summary | None, n: int,
+                        want_stats: bool, range_stats: bool) -> _Summary:
+        """``_summarize`` for a CPU tensor with the native kernel: digest and statistics known at
+        once (nothing to fetch), one read of the data; a non-contiguous tensor is copied first."""
+        prev = torch.is_grad_enabled()
+        torch._C._set_grad_enabled(False)
+        try:
+            count = self.digester.count(t)
+            digest = s.digest if s is not None else None
+            hexed = s.hex if s is not None else None
+            st: torch.Tensor | None = None
+            values: dict[str, Any] | None = None
+            if want_stats and range_stats and _dense(t):
+                same = self._lookup((t.data_ptr(), n, t.dtype, t.device, t._version))
+                if same is not None:
+                    st, values = same.stats, same.values
+            need_stats = want_stats and st is None and values is None
+            native_digest = s is None and self.host_digest
+            if s is None and not native_digest and self.digester.compute is not None:
+                digest = self.digester.compute(t)  # sample / xor modes: the PyTorch-ops digest
+            if native_digest or need_stats:
+                d = hostkernel.host_data(t)
+                code = hostkernel.CODES.get(d.dtype) if need_stats else None
+                if need_stats and code is None:
+                    st = stats_row(d)  # an element type the kernel does not read (float8, uint16, ...)
+                S, row = hostkernel.summary(self.host, d, native_digest, code)
+                if S is not None:
+                    hexed = finish(S, count)
+                if row is not None:
+                    mn, mx, total, squares, nonfinite, inf = row
+                    values = _json_stats(finish_moments(mn, mx, total, squares, nonfinite, inf, count))
+        finally:
+            torch._C._set_grad_enabled(prev)
+        out = _Summary(digest, st, count)
+        out.hex = hexed
+        out.values = values
+        if n:
+            self._remember(key, out, t)
+        return out
 
     def _summarize(self, t: torch.Tensor, key: tuple[Any, ...], s: _Summary | None, n: int,
                    want_stats: bool, range_stats: bool) -> _Summary:
@@ -231,7 +288,7 @@ class Session:
             if output:
                 e["stats"] = None
             return e
-        if s.digest is None:
+        if not s.has_digest:
             e["reason"] = "digest mode none"
         if output:
             e["stats"] = None
@@ -304,18 +361,17 @@ class Session:
                     rows, ints=False)
         for c in calls:
             for e, s, output in c.fills:
-                if s.digest is not None:
-                    h = s.hex
-                    if h is None:
-                        h = s.hex = finish(digests[id(s.digest)], s.n)
+                h = s.hex
+                if h is None and s.digest is not None:
+                    h = s.hex = finish(digests[id(s.digest)], s.n)
+                if h is not None:
                     e["digest"] = h
-                if output and s.stats is not None:
+                if output:
                     v = s.values
-                    if v is None:
-                        st = finish_stats(rows[id(s.stats)], s.n)
-                        v = s.values = {k: (records.json_float(x) if isinstance(x, float) else x)
-                                        for k, x in st.items()}
-                    e["stats"] = v
+                    if v is None and s.stats is not None:
+                        v = s.values = _json_stats(finish_stats(rows[id(s.stats)], s.n))
+                    if v is not None:
+                        e["stats"] = v
         for c in calls:
             if self.cap_reached:
                 self.dropped += 1
@@ -389,6 +445,7 @@ class Session:
             "python": platform.python_version(), "level": self.options.level,
             "digest": {"mode": self.options.digest, "algorithm": ALGORITHM if self.options.digest in ("full", "sample")
                        else ("torch.hash_tensor" if self.options.digest == "xor" else None), "sample": SAMPLE},
+            "host_kernel": "native" if self.host is not None else "torch",
             "options": self.options.as_json(), "records": self.records, "segments": self.writer.segment + 1,
             "cap_reached": self.cap_reached, "dropped": self.dropped, "trace": TRACE}
         self._write_atomic("meta.json", meta)

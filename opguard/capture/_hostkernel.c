@@ -1,0 +1,358 @@
+/*
+ * opguard.capture._hostkernel: the digest sum and the statistics of a contiguous host (CPU)
+ * tensor in one pass over its bytes (docs/capture.md §5.2).
+ *
+ * summary(addr, nbytes, code, digest, stats) -> (S or None, (min, max, sum, sumsq, nonfinite, inf) or None)
+ *
+ *   addr, nbytes   the tensor's data: nbytes readable bytes at addr (a contiguous CPU tensor's
+ *                  data_ptr() and numel() * element_size(); the caller keeps the tensor alive)
+ *   code           element type for the statistics (CODE_* below; -1 with stats false: bytes only)
+ *   digest         compute S of mix64-v1 (docs/capture.md §5.1) over the bytes, as an unsigned int
+ *   stats          compute the statistics row over the elements
+ *
+ * The values are exactly those of the definition, whatever the instruction set: the loops work
+ * lane-wise on explicit 8-lane vectors (GCC vector extensions) in a fixed order, floating-point
+ * contraction is off (-ffp-contract=off in setup.py), and every target clone runs the same
+ * operations. Sums of floats accumulate in float64, in 8 lanes (element i in lane i mod 8 of its
+ * group), reduced lane 0..7 at the end.
+ *
+ * No Python object is touched while the GIL is released (tensors of 1 MiB and more).
+ */
+#define PY_SSIZE_T_CLEAN
+#define Py_LIMITED_API 0x030A0000
+#include <Python.h>
+
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <string.h>
+
+#define TABLE_BITS 16
+#define TABLE_LEN ((size_t)1 << TABLE_BITS)
+#define GOLDEN 0x9E3779B97F4A7C15ULL
+#define TABLE_SEED 0x6F70677561726431ULL
+#define BLOCK_SEED 0x6F70677561726432ULL
+#define NOGIL_BYTES ((size_t)1 << 20)
+
+enum {
+    CODE_F32 = 0, CODE_F64 = 1, CODE_F16 = 2, CODE_BF16 = 3, CODE_I8 = 4, CODE_U8 = 5,
+    CODE_I16 = 6, CODE_I32 = 7, CODE_I64 = 8,
+};
+
+#if !defined(OPGUARD_NO_CLONES) && defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 11 && defined(__GLIBC__)
+#define CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#else
+#define CLONES
+#endif
+#define INLINE static inline __attribute__((always_inline))
+
+typedef uint64_t v8u __attribute__((vector_size(64)));
+typedef int64_t v8i __attribute__((vector_size(64)));
+typedef double v8d __attribute__((vector_size(64)));
+typedef float v8f __attribute__((vector_size(32)));
+typedef uint32_t v8u32 __attribute__((vector_size(32)));
+typedef int32_t v8i32 __attribute__((vector_size(32)));
+typedef uint16_t v8u16 __attribute__((vector_size(16)));
+typedef int16_t v8i16 __attribute__((vector_size(16)));
+typedef int8_t v8i8 __attribute__((vector_size(8)));
+typedef uint8_t v8u8 __attribute__((vector_size(8)));
+
+static uint64_t table[TABLE_LEN];
+
+static uint64_t splitmix_output(uint64_t seed, uint64_t k) {
+    /* output k (from 0) of splitmix64 seeded with seed */
+    uint64_t z = seed + (k + 1) * GOLDEN;
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
+    return z ^ (z >> 31);
+}
+
+static uint64_t block_constant(uint64_t q) { return q ? splitmix_output(BLOCK_SEED, q - 1) : 0; }
+
+/* ---- element loads: 8 elements at p as float64 lanes (exact conversions) --------------------- */
+INLINE v8d load_f64(const uint8_t *p) { v8d d; memcpy(&d, p, 64); return d; }
+INLINE v8d load_f32(const uint8_t *p) { v8f f; memcpy(&f, p, 32); return __builtin_convertvector(f, v8d); }
+INLINE v8d load_bf16(const uint8_t *p) {
+    v8u16 h; memcpy(&h, p, 16);
+    v8u32 w = __builtin_convertvector(h, v8u32) << 16;
+    v8f f; memcpy(&f, &w, 32);
+    return __builtin_convertvector(f, v8d);
+}
+INLINE v8d load_f16(const uint8_t *p) {
+    /* IEEE binary16 -> binary32, exact for every input (F. Giesen's half_to_float_fast5 scheme,
+       lane-wise): exponent rebias, Inf/NaN widened, subnormals renormalised by one subtraction */
+    v8u16 h; memcpy(&h, p, 16);
+    v8u32 x = __builtin_convertvector(h, v8u32);
+    v8u32 o = (x & 0x7fffu) << 13;
+    v8u32 e = o & 0x0f800000u;
+    o += (uint32_t)(127 - 15) << 23;
+    v8u32 infnan = (v8u32)(e == 0x0f800000u);
+    o += infnan & ((uint32_t)(128 - 16) << 23);
+    v8u32 sub = (v8u32)(e == 0u);
+    v8u32 os = o + (1u << 23);
+    v8f fs; memcpy(&fs, &os, 32);
+    v8f magic = {0};
+    uint32_t mbits = 113u << 23; float mf; memcpy(&mf, &mbits, 4);
+    magic += mf;
+    fs -= magic;
+    v8u32 us; memcpy(&us, &fs, 32);
+    o = (us & sub) | (o & ~sub);
+    o |= (x & 0x8000u) << 16;
+    v8f f; memcpy(&f, &o, 32);
+    return __builtin_convertvector(f, v8d);
+}
+INLINE v8d load_i8(const uint8_t *p) { v8i8 v; memcpy(&v, p, 8); return __builtin_convertvector(v, v8d); }
+INLINE v8d load_u8(const uint8_t *p) { v8u8 v; memcpy(&v, p, 8); return __builtin_convertvector(v, v8d); }
+INLINE v8d load_i16(const uint8_t *p) { v8i16 v; memcpy(&v, p, 16); return __builtin_convertvector(v, v8d); }
+INLINE v8d load_i32(const uint8_t *p) { v8i32 v; memcpy(&v, p, 32); return __builtin_convertvector(v, v8d); }
+INLINE v8d load_i64(const uint8_t *p) { v8i v; memcpy(&v, p, 64); return __builtin_convertvector(v, v8d); }
+
+/* ---- accumulators -------------------------------------------------------------------------- */
+typedef struct {
+    v8u s;             /* digest sum lanes (mod 2^64) */
+    v8d sum, sq, mn, mx;
+} acc_t;
+
+typedef struct {
+    uint64_t s;
+    double mn, mx, sum, sq;
+    uint64_t nonfinite, inf;
+} result_t;
+
+INLINE v8d blend(v8i mask, v8d a, v8d b) {
+    /* a where mask is all ones, else b */
+    v8i ia, ib; memcpy(&ia, &a, 64); memcpy(&ib, &b, 64);
+    v8i r = (ia & mask) | (ib & ~mask);
+    v8d d; memcpy(&d, &r, 64); return d;
+}
+
+INLINE void stats8(acc_t *a, v8d d) {
+    a->sum += d;
+    a->sq += d * d;
+    a->mn = blend((v8i)(d < a->mn), d, a->mn);  /* NaN never wins: counted separately */
+    a->mx = blend((v8i)(d > a->mx), d, a->mx);
+}
+
+INLINE void digest8(acc_t *a, const uint8_t *p, const uint64_t *w, uint64_t c) {
+    v8u u, t; memcpy(&u, p, 64); memcpy(&t, w, 64);
+    v8u x = (u ^ t ^ c) * GOLDEN;
+    a->s += x ^ (v8u)((v8i)x >> 32);
+}
+
+static uint64_t digest_word(uint64_t u, uint64_t i) {
+    uint64_t x = (u ^ table[i & (TABLE_LEN - 1)] ^ block_constant(i >> TABLE_BITS)) * GOLDEN;
+    return x ^ (uint64_t)((int64_t)x >> 32);
+}
+
+static double scalar_load(const uint8_t *p, int code) {
+    /* one element as float64, through the same lane load (the rest of the group is zero) */
+    uint8_t buf[64] = {0};
+    size_t size = code == CODE_F64 || code == CODE_I64 ? 8 : code == CODE_F32 || code == CODE_I32 ? 4
+                : code == CODE_I8 || code == CODE_U8 ? 1 : 2;
+    memcpy(buf, p, size);
+    v8d d;
+    switch (code) {
+    case CODE_F64: d = load_f64(buf); break;
+    case CODE_F32: d = load_f32(buf); break;
+    case CODE_F16: d = load_f16(buf); break;
+    case CODE_BF16: d = load_bf16(buf); break;
+    case CODE_I8: d = load_i8(buf); break;
+    case CODE_U8: d = load_u8(buf); break;
+    case CODE_I16: d = load_i16(buf); break;
+    case CODE_I32: d = load_i32(buf); break;
+    default: d = load_i64(buf); break;
+    }
+    return d[0];
+}
+
+static size_t itemsize(int code) {
+    switch (code) {
+    case CODE_F64: case CODE_I64: return 8;
+    case CODE_F32: case CODE_I32: return 4;
+    case CODE_F16: case CODE_BF16: case CODE_I16: return 2;
+    default: return 1;
+    }
+}
+
+/* The fused pass: for every 64-byte chunk, the digest of its 8 words and the statistics of its
+ * 64/size elements (in groups of 8). DIG and STS are constants in every instantiation. */
+#define BODY(LOAD, SIZE, DIG, STS)                                                              \
+    do {                                                                                        \
+        size_t chunks = nbytes / 64;                                                            \
+        for (size_t b0 = 0; b0 < chunks; b0 += TABLE_LEN / 8) {                                 \
+            size_t b1 = b0 + TABLE_LEN / 8 < chunks ? b0 + TABLE_LEN / 8 : chunks;              \
+            uint64_t c = block_constant(b0 / (TABLE_LEN / 8));                                  \
+            for (size_t k = b0; k < b1; k++) {                                                  \
+                const uint8_t *q = p + k * 64;                                                  \
+                if (DIG) digest8(a, q, table + (k - b0) * 8, c);                                \
+                if (STS) {                                                                      \
+                    for (size_t g = 0; g < 64 / (8 * (SIZE)); g++)                              \
+                        stats8(a, LOAD(q + g * 8 * (SIZE)));                                    \
+                }                                                                               \
+            }                                                                                   \
+        }                                                                                       \
+    } while (0)
+
+#define KERNEL(NAME, LOAD, SIZE)                                                                \
+    CLONES static void NAME##_both(const uint8_t *p, size_t nbytes, acc_t *a) { BODY(LOAD, SIZE, 1, 1); } \
+    CLONES static void NAME##_stats(const uint8_t *p, size_t nbytes, acc_t *a) { BODY(LOAD, SIZE, 0, 1); }
+
+KERNEL(f64, load_f64, 8)
+KERNEL(f32, load_f32, 4)
+KERNEL(f16, load_f16, 2)
+KERNEL(bf16, load_bf16, 2)
+KERNEL(i8, load_i8, 1)
+KERNEL(u8, load_u8, 1)
+KERNEL(i16, load_i16, 2)
+KERNEL(i32, load_i32, 4)
+KERNEL(i64, load_i64, 8)
+
+CLONES static void digest_only(const uint8_t *p, size_t nbytes, acc_t *a) { BODY(load_u8, 1, 1, 0); }
+
+typedef void (*kernel_fn)(const uint8_t *, size_t, acc_t *);
+
+static kernel_fn pick(int code, int dig, int sts) {
+    if (!sts) return digest_only;
+#define CASE(C, NAME) case C: return dig ? NAME##_both : NAME##_stats;
+    switch (code) {
+    CASE(CODE_F64, f64) CASE(CODE_F32, f32) CASE(CODE_F16, f16) CASE(CODE_BF16, bf16)
+    CASE(CODE_I8, i8) CASE(CODE_U8, u8) CASE(CODE_I16, i16) CASE(CODE_I32, i32) CASE(CODE_I64, i64)
+    default: return NULL;
+    }
+#undef CASE
+}
+
+/* Count NaN and ±Inf elements (only run when the sum is not finite: a finite sum proves none). */
+static void count_nonfinite(const uint8_t *p, size_t n, int code, uint64_t *nonfinite, uint64_t *inf) {
+    size_t size = itemsize(code);
+    uint64_t nf = 0, ni = 0;
+    for (size_t i = 0; i < n; i++) {
+        double d = scalar_load(p + i * size, code);
+        if (d != d) nf++;
+        else if (isinf(d)) { nf++; ni++; }
+    }
+    *nonfinite = nf;
+    *inf = ni;
+}
+
+static void run(const uint8_t *p, size_t nbytes, int code, int dig, int sts, result_t *r) {
+    acc_t a;
+    memset(&a, 0, sizeof a);
+    for (int i = 0; i < 8; i++) { a.mn[i] = INFINITY; a.mx[i] = -INFINITY; }
+    size_t body = nbytes - nbytes % 64;
+    if (body) pick(code, dig, sts)(p, body, &a);
+    /* the tail: fewer than 64 bytes, zero-padded to whole words for the digest */
+    size_t rest = nbytes - body;
+    if (rest) {
+        uint8_t buf[64] = {0};
+        memcpy(buf, p + body, rest);
+        if (dig) {
+            uint64_t s = 0;
+            for (size_t j = 0; j < (rest + 7) / 8; j++) {
+                uint64_t u; memcpy(&u, buf + j * 8, 8);
+                s += digest_word(u, body / 8 + j);
+            }
+            a.s[0] += s;
+        }
+        if (sts) {
+            size_t size = itemsize(code);
+            for (size_t j = 0; j < rest / size; j++) {
+                double d = scalar_load(buf + j * size, code);
+                size_t lane = j % 8;  /* the same lane as in a full group */
+                a.sum[lane] += d;
+                a.sq[lane] += d * d;
+                if (d < a.mn[lane]) a.mn[lane] = d;
+                if (d > a.mx[lane]) a.mx[lane] = d;
+            }
+        }
+    }
+    uint64_t s = 0;
+    double sum = 0, sq = 0, mn = INFINITY, mx = -INFINITY;
+    for (int i = 0; i < 8; i++) {
+        s += a.s[i];
+        sum += a.sum[i];
+        sq += a.sq[i];
+        if (a.mn[i] < mn) mn = a.mn[i];
+        if (a.mx[i] > mx) mx = a.mx[i];
+    }
+    r->s = s;
+    r->sum = sum;
+    r->sq = sq;
+    r->mn = mn;
+    r->mx = mx;
+    r->nonfinite = r->inf = 0;
+    if (sts && !isfinite(sum)) {
+        size_t size = itemsize(code);
+        count_nonfinite(p, nbytes / size, code, &r->nonfinite, &r->inf);
+        if (r->nonfinite > r->inf) { r->mn = NAN; r->mx = NAN; }  /* a NaN element: torch semantics */
+    }
+}
+
+static PyObject *summary(PyObject *self, PyObject *args) {
+    (void)self;
+    unsigned long long addr;
+    Py_ssize_t nbytes;
+    int code, dig, sts;
+    if (!PyArg_ParseTuple(args, "Knipp", &addr, &nbytes, &code, &dig, &sts)) return NULL;
+    if (nbytes < 0) {
+        PyErr_SetString(PyExc_ValueError, "nbytes must be >= 0");
+        return NULL;
+    }
+    if (sts && (pick(code, 1, 1) == NULL || (size_t)nbytes % itemsize(code))) {
+        PyErr_Format(PyExc_ValueError, "unsupported element code %d for %zd bytes", code, nbytes);
+        return NULL;
+    }
+    if (nbytes && !addr) {
+        PyErr_SetString(PyExc_ValueError, "null data pointer");
+        return NULL;
+    }
+    result_t r;
+    const uint8_t *p = (const uint8_t *)(uintptr_t)addr;
+    if ((size_t)nbytes >= NOGIL_BYTES) {
+        Py_BEGIN_ALLOW_THREADS
+        run(p, (size_t)nbytes, code, dig, sts, &r);
+        Py_END_ALLOW_THREADS
+    } else {
+        run(p, (size_t)nbytes, code, dig, sts, &r);
+    }
+    PyObject *d = dig ? PyLong_FromUnsignedLongLong(r.s) : (Py_INCREF(Py_None), Py_None);
+    if (d == NULL) return NULL;
+    PyObject *st;
+    if (sts) {
+        st = Py_BuildValue("(ddddKK)", r.mn, r.mx, r.sum, r.sq, (unsigned long long)r.nonfinite,
+                           (unsigned long long)r.inf);
+        if (st == NULL) { Py_DECREF(d); return NULL; }
+    } else {
+        Py_INCREF(Py_None);
+        st = Py_None;
+    }
+    PyObject *out = PyTuple_New(2);
+    if (out == NULL) { Py_DECREF(d); Py_DECREF(st); return NULL; }
+    PyTuple_SetItem(out, 0, d);
+    PyTuple_SetItem(out, 1, st);
+    return out;
+}
+
+static PyMethodDef methods[] = {
+    {"summary", summary, METH_VARARGS,
+     "summary(addr, nbytes, code, digest, stats) -> (S | None, (min, max, sum, sumsq, nonfinite, inf) | None)"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "_hostkernel",
+    "Fused mix64-v1 digest sum and statistics of contiguous host tensors (docs/capture.md §5.2).",
+    -1, methods, NULL, NULL, NULL, NULL,
+};
+
+PyMODINIT_FUNC PyInit__hostkernel(void) {
+    for (size_t j = 0; j < TABLE_LEN; j++) table[j] = splitmix_output(TABLE_SEED, j);
+    PyObject *m = PyModule_Create(&module);
+    if (m == NULL) return NULL;
+    if (PyModule_AddIntConstant(m, "TABLE_BITS", TABLE_BITS) < 0 ||
+        PyModule_AddIntConstant(m, "ABI", 1) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

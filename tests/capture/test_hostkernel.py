@@ -1,0 +1,230 @@
+"""The native host kernel (``opguard.capture._hostkernel``, docs/capture.md §5.2): the same digest
+sum as the PyTorch-ops path and the pure-Python definition, the same statistics, for every element
+type, length, alignment and instruction-set variant; a session gives the same trace either way."""
+
+from __future__ import annotations
+
+import importlib.machinery
+import importlib.util
+import math
+import platform
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="capture needs torch (pip install torch, CPU build)")
+
+import opguard.capture as oc  # noqa: E402
+from opguard.capture import hostkernel  # noqa: E402
+from opguard.capture.digest import MASK64, Digester, reference_sum, reference_words, stats_row  # noqa: E402
+from opguard.capture.options import CaptureOptions  # noqa: E402
+from opguard.errors import ConfigError  # noqa: E402
+from tests.capture.helpers import ops, read_trace  # noqa: E402
+from tests.capture.progs import calls  # noqa: E402
+from tests.capture.progs.models import MLP  # noqa: E402
+
+pytestmark = [pytest.mark.torch]
+SOURCE = Path(hostkernel.__file__).with_name("_hostkernel.c")
+# lengths around the 64-byte chunk, the 8-element group and the 65536-word table block
+LENGTHS = [1, 2, 3, 7, 8, 9, 15, 16, 17, 31, 33, 63, 64, 65, 129, 1000, 65536 * 2 + 3, 140_001, 300_007]
+
+
+@pytest.fixture(scope="module")
+def hk():  # type: ignore[no-untyped-def]
+    return pytest.importorskip("opguard.capture._hostkernel",
+                               reason="the native host kernel is not built (pip install -e . needs a C compiler)")
+
+
+def torch_sum(t: torch.Tensor) -> int:
+    s = Digester("full")._full(t)
+    return int(s.item()) & MASK64
+
+
+def sample(dtype: torch.dtype, n: int, offset: int) -> torch.Tensor:
+    """``n`` elements starting ``offset`` elements into a fresh tensor (an unaligned data pointer)."""
+    g = torch.Generator().manual_seed(n * 31 + offset)
+    if dtype.is_floating_point:
+        base = (torch.randn(n + offset, dtype=torch.float64, generator=g) * 3).to(dtype)
+    elif dtype == torch.bool:
+        base = torch.rand(n + offset, generator=g) > 0.5
+    else:
+        info = torch.iinfo(dtype)
+        base = torch.randint(max(info.min, -(2**40)), min(info.max, 2**40), (n + offset,), dtype=dtype, generator=g)
+    return base[offset:]
+
+
+def check_row(row: tuple[float, ...], t: torch.Tensor) -> None:
+    """Native (min, max, sum, sumsq, nonfinite, inf) against the PyTorch-ops row (min, max, sum, norm, ...)."""
+    mn, mx, s, q, nonfinite, inf = row
+    ref = stats_row(t).tolist()
+    same = (lambda a, b: (math.isnan(a) and math.isnan(b)) or a == b)  # noqa: E731
+    assert same(mn, ref[0]) and same(mx, ref[1]), (row, ref)  # exact (NaN propagates)
+    assert (nonfinite, inf) == (int(ref[4]), int(ref[5]))  # exact counts
+    if math.isfinite(ref[2]):
+        scale = float(t.double().abs().sum()) if t.dtype != torch.bool else float(t.sum())
+        assert abs(s - ref[2]) <= 1e-5 * max(scale, 1.0)  # accumulation order differs: approximate
+        exact = float(torch.linalg.vector_norm(t.double()))
+        assert math.sqrt(q) == pytest.approx(exact, rel=1e-9)  # float64 lanes: as good as float64
+        assert math.sqrt(q) == pytest.approx(ref[3], rel=1e-5 if t.element_size() >= 4 else 1e-3)
+    else:
+        assert same(s, ref[2]) or (math.isinf(s) and math.isinf(ref[2]))
+
+
+@pytest.mark.parametrize("dtype", list(hostkernel.CODES))
+def test_digest_sum_and_statistics_equal_the_torch_path(hk, dtype: torch.dtype) -> None:  # type: ignore[no-untyped-def]
+    code = hostkernel.CODES[dtype]
+    for n in LENGTHS:
+        for offset in (0, 1, 3):
+            t = sample(dtype, n, offset)
+            S, row = hk.summary(t.data_ptr(), t.numel() * t.element_size(), code, True, True)
+            assert torch_sum(t) == S, (dtype, n, offset)
+            check_row(row, t)
+            # digest only / statistics only give the same parts
+            assert hk.summary(t.data_ptr(), t.numel() * t.element_size(), -1, True, False) == (S, None)
+            assert hk.summary(t.data_ptr(), t.numel() * t.element_size(), code, False, True) == (None, row)
+
+
+def test_digest_sum_equals_the_pure_python_definition(hk) -> None:  # type: ignore[no-untyped-def]
+    for nbytes in range(0, 200):
+        data = bytes((i * 37 + nbytes) % 256 for i in range(nbytes))
+        buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if nbytes else torch.empty(0, dtype=torch.uint8)
+        S, _ = hk.summary(buf.data_ptr(), nbytes, -1, True, False)
+        assert reference_sum(reference_words(data)) & MASK64 == S, nbytes
+
+
+def test_every_float16_value_converts_exactly(hk) -> None:  # type: ignore[no-untyped-def]
+    bits = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16)
+    halves = bits.view(torch.float16)
+    exact = halves.double().tolist()
+    for i in range(0, 65536):
+        h = halves[i:i + 1]
+        _, (mn, mx, _s, _q, nonfinite, inf) = hk.summary(h.data_ptr(), 2, hostkernel.CODES[torch.float16], False, True)
+        if math.isnan(exact[i]):
+            assert math.isnan(mn) and (nonfinite, inf) == (1, 0)
+        else:
+            assert mn == mx == exact[i] and math.copysign(1, mn) == math.copysign(1, exact[i]), hex(i)
+            assert (nonfinite, inf) == ((1, 1) if math.isinf(exact[i]) else (0, 0))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+def test_nan_and_inf_follow_torch_semantics(hk, dtype: torch.dtype) -> None:  # type: ignore[no-untyped-def]
+    cases = [[1.0, math.nan, 2.0] * 11, [1.0, math.inf, -3.0] * 11, [math.inf, -math.inf] * 9,
+             [math.nan] * 17, [-0.0, 0.0] * 10, [5.0]]
+    for values in cases:
+        t = torch.tensor(values, dtype=dtype)
+        _, row = hk.summary(t.data_ptr(), t.numel() * t.element_size(), hostkernel.CODES[dtype], True, True)
+        check_row(row, t)
+
+
+def test_bad_arguments_are_refused(hk) -> None:  # type: ignore[no-untyped-def]
+    t = torch.ones(3)
+    with pytest.raises(ValueError, match="unsupported element code"):
+        hk.summary(t.data_ptr(), 12, 99, False, True)
+    with pytest.raises(ValueError, match="unsupported element code"):
+        hk.summary(t.data_ptr(), 10, hostkernel.CODES[torch.float32], False, True)  # not whole elements
+    with pytest.raises(ValueError, match="nbytes"):
+        hk.summary(t.data_ptr(), -1, -1, True, False)
+    with pytest.raises(ValueError, match="null"):
+        hk.summary(0, 8, -1, True, False)
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
+    return set(line.split(":", 1)[-1].split())
+
+
+def test_every_instruction_set_variant_gives_the_same_values(tmp_path: Path, hk) -> None:  # type: ignore[no-untyped-def]
+    """The clones (x86-64-v4, v3, baseline) run the same lane-wise operations without contraction:
+    the kernel compiled for each level this CPU can run gives bit-identical digests and rows."""
+    if sys.platform != "linux" or not sysconfig.get_config_var("CC"):
+        pytest.skip("needs the C compiler Python was built with")
+    flags = _cpu_flags()
+    levels = ["x86-64"] if platform.machine() == "x86_64" else [""]
+    if levels == ["x86-64"] and {"avx2", "fma", "bmi2"} <= flags:
+        levels.append("x86-64-v3")
+    if levels[-1] == "x86-64-v3" and {"avx512f", "avx512dq", "avx512bw", "avx512vl"} <= flags:
+        levels.append("x86-64-v4")
+    include = sysconfig.get_paths()["include"]
+    tensors = [sample(dt, n, 1) for dt in hostkernel.CODES for n in (65536 * 2 + 3, 1000, 33)]
+    tensors += [torch.tensor([1.0, math.nan, math.inf, -0.0] * 40)]
+    results = []
+    for march in levels:
+        so = tmp_path / (march or "native") / f"_hostkernel{importlib.machinery.EXTENSION_SUFFIXES[0]}"
+        so.parent.mkdir()
+        arch = [f"-march={march}"] if march else []
+        subprocess.run(["gcc", "-O3", "-std=gnu11", "-ffp-contract=off", "-fno-strict-aliasing", "-Wno-psabi", *arch,
+                        "-DOPGUARD_NO_CLONES", "-shared", "-fPIC", f"-I{include}", str(SOURCE), "-o", str(so)],
+                       check=True)
+        spec = importlib.util.spec_from_file_location("_hostkernel", so)
+        assert spec is not None and spec.loader is not None
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        out = []
+        for t in tensors:
+            code = hostkernel.CODES[t.dtype]
+            out.append(repr(mod.summary(t.data_ptr(), t.numel() * t.element_size(), code, True, True)))
+        results.append(out)
+    installed = [repr(hk.summary(t.data_ptr(), t.numel() * t.element_size(), hostkernel.CODES[t.dtype], True, True))
+                 for t in tensors]
+    for out in results:
+        assert out == installed
+
+
+def _train(env: dict[str, str], kernel: str) -> list[dict]:  # type: ignore[type-arg]
+    torch.manual_seed(0)
+    model = MLP()
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(8, 16, generator=g), torch.randn(8, 1, generator=g)
+    with oc.capture(env=env, host_kernel=kernel, buffer=16) as cap:
+        calls.mlp_train(model, x, y, 3, step_fn=oc.step)
+    meta = (cap.path / "meta.json").read_text()
+    assert f'"host_kernel": "{kernel}"' in meta
+    return ops(read_trace(cap.path))
+
+
+def test_native_and_torch_paths_write_the_same_trace(tmp_path: Path, hk) -> None:  # type: ignore[no-untyped-def]
+    native = _train({"OPGUARD_TRACE_OUTPUT_BASE": str(tmp_path / "n")}, "native")
+    plain = _train({"OPGUARD_TRACE_OUTPUT_BASE": str(tmp_path / "t")}, "torch")
+    assert len(native) == len(plain) > 50
+    for a, b in zip(native, plain, strict=True):
+        assert (a["fn"], a["line"], a["seq"]) == (b["fn"], b["line"], b["seq"])
+        for ea, eb in zip(a["inputs"] + a["outputs"], b["inputs"] + b["outputs"], strict=True):
+            assert ea["digest"] == eb["digest"] and ea["digest"] is not None
+            sa, sb = ea.get("stats"), eb.get("stats")
+            assert (sa is None) == (sb is None)
+            if sa is not None:
+                assert (sa["min"], sa["max"], sa["absmax"], sa["nan"], sa["inf"]) == \
+                       (sb["min"], sb["max"], sb["absmax"], sb["nan"], sb["inf"])
+                assert sa["mean"] == pytest.approx(sb["mean"], rel=1e-5, abs=1e-6)
+                assert sa["std"] == pytest.approx(sb["std"], rel=1e-4, abs=1e-6)
+
+
+def test_choice_of_kernel_is_validated_and_never_silent(monkeypatch: pytest.MonkeyPatch,
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(ConfigError, match="OPGUARD_CAPTURE_HOST_KERNEL") as e:
+        CaptureOptions.from_env({"OPGUARD_CAPTURE_HOST_KERNEL": "fast"})
+    assert "'fast'" in str(e.value)
+    monkeypatch.setattr(hostkernel, "_module", None)
+    monkeypatch.setattr(hostkernel, "LOAD_ERROR", "ImportError: simulated")
+    with pytest.raises(ConfigError, match=r"not built .*simulated"):
+        hostkernel.resolve("native")
+    assert hostkernel.resolve("auto") is None
+    err = capsys.readouterr().err
+    assert "native host kernel" in err and "simulated" in err and "OPGUARD_CAPTURE_HOST_KERNEL=torch" in err
+    assert hostkernel.resolve("torch") is None and capsys.readouterr().err == ""
+
+
+def test_launcher_refuses_native_without_the_kernel_before_starting(monkeypatch: pytest.MonkeyPatch) -> None:
+    from opguard.capture import bootstrap
+
+    monkeypatch.setattr(bootstrap, "native_kernel_present", lambda: False)
+    with pytest.raises(ConfigError, match="OPGUARD_CAPTURE_HOST_KERNEL=native"):
+        bootstrap.child_env({"OPGUARD_CAPTURE_HOST_KERNEL": "native"})
+    assert bootstrap.child_env({"OPGUARD_CAPTURE_HOST_KERNEL": "auto"})["OPGUARD_CAPTURE_HOST_KERNEL"] == "auto"
