@@ -213,3 +213,22 @@ def test_all_with_a_missing_staging_base_fails_loudly(staging_env: dict[str, str
     Path(env["OPGUARD_LOCAL_DUMP_BASE"]).rmdir()
     r = opguard(env, "sync", "--all")
     assert r.returncode == 2 and "OPGUARD_LOCAL_DUMP_BASE" in r.stderr and "fix:" in r.stderr
+
+
+def test_file_names_that_are_not_utf8_round_trip(staging_env: dict[str, str], tmp_path: Path) -> None:
+    """A name with bytes that are not UTF-8 (Python sees surrogate escapes) is published, kept in the
+    checkpoint and restored byte-exact under the same name (state and manifests fall back from
+    orjson to json for such documents)."""
+    d = rank_dir(staging_env)
+    odd = os.fsdecode(b"trace-\xff\xfe.jsonl")
+    (d / odd).write_bytes(b'{"a":1}\n')
+    (d / "plain.json").write_bytes(b"{}")
+    sync(staging_env)
+    assert odd in checkpoint(staging_env)["files"]
+    (d / odd).write_bytes(b'{"a":1}\n{"b":2}\n')
+    sync(staging_env, "--final")
+    assert replay(staging_env)[odd] == b'{"a":1}\n{"b":2}\n'
+    dest = tmp_path / "restored"
+    r = opguard(staging_env, "materialize", staging_env["OPGUARD_LOCAL_DUMP_TARGET"], str(dest))
+    assert r.returncode == 0, r.stderr
+    assert (dest / "ranks" / "rank-000000" / odd).read_bytes() == b'{"a":1}\n{"b":2}\n'

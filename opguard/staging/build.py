@@ -178,7 +178,7 @@ def build_batch(src: BatchSource, cp: Checkpoint, changes: Sequence[Change], del
         raise
     name = batch_name(cp.next_sequence, digest)
     new.head_digest = digest
-    pending = Pending(cp.next_sequence, name, digest, size, final, new)
+    pending = Pending(cp.next_sequence, name, digest, size, final, new, payload=w.payload_size)
     try:
         os.rename(build, pending_dir / name)
     except OSError as e:

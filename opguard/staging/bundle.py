@@ -8,7 +8,6 @@ alone: sizes and SHA-256 digests are checked for every entry.
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import struct
 from collections.abc import Callable, Iterator
@@ -19,6 +18,7 @@ from typing import IO, Any
 import zstandard
 
 from opguard.errors import IdentityError, IntegrityError
+from opguard.staging.fsutil import dumps_json, loads_json
 
 FORMAT_VERSION = 2
 HEADER_MAGIC = b"OPGBATCH"
@@ -162,7 +162,7 @@ class BatchWriter:
         self.manifest.update({"format": "opguard-batch", "version": FORMAT_VERSION,
                               "entries": self.entries, "payload_size": self.payload_size})
         mbytes = zstandard.ZstdCompressor(level=ZSTD_LEVEL, write_checksum=True).compress(
-            json.dumps(self.manifest, sort_keys=True, separators=(",", ":")).encode())
+            dumps_json(self.manifest))
         self._out.write(mbytes)
         self._out.write(FOOTER.pack(payload_len, len(mbytes), hashlib.sha256(mbytes).digest(), FOOTER_MAGIC))
         self._f.flush()
@@ -212,7 +212,7 @@ def read_manifest(path: Path) -> BatchInfo:
         raise _damaged(path, "manifest checksum mismatch")
     try:
         raw = zstandard.ZstdDecompressor().decompress(mbytes)
-        manifest = json.loads(raw)
+        manifest = loads_json(raw)
     except (zstandard.ZstdError, ValueError) as e:
         raise _damaged(path, f"manifest unreadable ({e})") from None
     if not isinstance(manifest, dict) or manifest.get("format") != "opguard-batch":

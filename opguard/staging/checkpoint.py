@@ -35,14 +35,14 @@ class FileRecord:
         return (self.dev, self.ino, self.size, self.mtime_ns, self.ctime_ns)
 
     def to_json(self) -> dict[str, Any]:
-        d: dict[str, Any] = {"kind": self.kind, "version": self.version, "dev": self.dev, "ino": self.ino,
-                             "size": self.size, "mtime_ns": self.mtime_ns, "ctime_ns": self.ctime_ns}
-        if self.kind == "append":
-            d["offset"] = self.offset
-            d["tail_sha256"] = self.tail_sha256
-        if self.deleted:
-            d["deleted"] = True
-        return d
+        """Every field (what ``dump_json`` writes for a record: orjson serializes the dataclass itself)."""
+        return {"kind": self.kind, "version": self.version, "dev": self.dev, "ino": self.ino, "size": self.size,
+                "mtime_ns": self.mtime_ns, "ctime_ns": self.ctime_ns, "offset": self.offset,
+                "tail_sha256": self.tail_sha256, "deleted": self.deleted}
+
+    def clone(self) -> FileRecord:
+        return FileRecord(self.kind, self.version, self.dev, self.ino, self.size, self.mtime_ns, self.ctime_ns,
+                          self.offset, self.tail_sha256, self.deleted)
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> FileRecord:
@@ -66,7 +66,8 @@ class Checkpoint:
         return {"version": FORMAT_VERSION, "run_id": self.run_id, "stream": self.stream, "target": self.target,
                 "next_sequence": self.next_sequence, "head_digest": self.head_digest,
                 "sealed_sequence": self.sealed_sequence,
-                "files": {p: r.to_json() for p, r in sorted(self.files.items())},
+                # FileRecord objects: encoded by dump_json (orjson natively, in C; keys sorted there)
+                "files": self.files,
                 "skipped": sorted(self.skipped)}
 
     @classmethod
@@ -78,7 +79,9 @@ class Checkpoint:
                    skipped=list(d.get("skipped", [])))
 
     def copy(self) -> Checkpoint:
-        return Checkpoint.from_json(self.to_json())
+        """An independent copy (what ``from_json(to_json())`` gives, without the JSON round trip)."""
+        return Checkpoint(self.run_id, self.stream, self.target, self.next_sequence, self.head_digest,
+                          self.sealed_sequence, {p: r.clone() for p, r in self.files.items()}, list(self.skipped))
 
 
 @dataclass
@@ -89,6 +92,7 @@ class Pending:
     size: int
     final: bool
     checkpoint: Checkpoint
+    payload: int | None = None  # payload bytes, known to the sync that built it (not stored: in the manifest)
 
     def to_json(self) -> dict[str, Any]:
         return {"version": FORMAT_VERSION, "sequence": self.sequence, "name": self.name, "digest": self.digest,

@@ -397,7 +397,9 @@ def _sync_stream(ctx: _Ctx, final: bool) -> None:
 
 
 def _payload_of(ctx: _Ctx, pending: Pending) -> int:
-    """The payload bytes of a local batch (from its manifest)."""
+    """The payload bytes of a local batch (known when this sync built it; else from its manifest)."""
+    if pending.payload is not None:
+        return pending.payload
     path = ctx.pending_dir / pending.name
     try:
         return int(read_manifest(path).manifest.get("payload_size", 0))
