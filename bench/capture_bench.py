@@ -95,7 +95,7 @@ def run_times(args: argparse.Namespace) -> dict[str, object]:
             if mode is None:
                 base_times += timed_steps(model, opt, idx, tgt, args.steps, base_cpu)
                 continue
-            out = tmp / f"{mode}-{rnd}"
+            out = tmp / f"{mode.replace('@', '-')}-{rnd}"
             env = {"OPGUARD_TRACE_OUTPUT_BASE": str(out)}
             kw = mode_kwargs(mode)
             times = []
