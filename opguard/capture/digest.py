@@ -274,6 +274,8 @@ def stats_row(t: torch.Tensor) -> torch.Tensor:
     if t.is_conj() or t.is_neg():
         t = t.resolve_conj().resolve_neg()
     x = torch.view_as_real(t) if t.is_complex() else t
+    if x.is_floating_point() and x.element_size() == 1:
+        x = x.to(torch.float32)  # float8 variants: no reductions of their own; every value is exact in float32
     if x.is_floating_point():
         acc = torch.float64 if x.dtype == torch.float64 else torch.float32
         mn, mx = torch.aminmax(x)

@@ -210,12 +210,13 @@ class Session:
                 code = hostkernel.CODES.get(d.dtype) if need_stats else None
                 if need_stats and code is None:
                     st = stats_row(d)  # an element type the kernel does not read (float8, uint16, ...)
-                S, row = hostkernel.summary(self.host, d, native_digest, code)
-                if S is not None:
-                    hexed = finish(S, count)
-                if row is not None:
-                    mn, mx, total, squares, nonfinite, inf = row
-                    values = _json_stats(finish_moments(mn, mx, total, squares, nonfinite, inf, count))
+                if native_digest or code is not None:
+                    S, row = hostkernel.summary(self.host, d, native_digest, code)
+                    if S is not None:
+                        hexed = finish(S, count)
+                    if row is not None:
+                        mn, mx, total, squares, nonfinite, inf = row
+                        values = _json_stats(finish_moments(mn, mx, total, squares, nonfinite, inf, count))
         finally:
             torch._C._set_grad_enabled(prev)
         out = _Summary(digest, st, count)

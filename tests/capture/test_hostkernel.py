@@ -228,3 +228,22 @@ def test_launcher_refuses_native_without_the_kernel_before_starting(monkeypatch:
     with pytest.raises(ConfigError, match="OPGUARD_CAPTURE_HOST_KERNEL=native"):
         bootstrap.child_env({"OPGUARD_CAPTURE_HOST_KERNEL": "native"})
     assert bootstrap.child_env({"OPGUARD_CAPTURE_HOST_KERNEL": "auto"})["OPGUARD_CAPTURE_HOST_KERNEL"] == "auto"
+
+
+def test_element_types_the_kernel_does_not_read_still_get_digest_and_statistics(tmp_path: Path) -> None:
+    """float8 (no reductions of its own on CPU) and uint16 outputs: the program runs on, the digest is
+    the same on both paths, the statistics come from the PyTorch ops (float8 on a float32 copy)."""
+    got = {}
+    for kernel in ("native", "torch") if hostkernel.available() else ("torch",):
+        with oc.capture(env={"OPGUARD_TRACE_OUTPUT_BASE": str(tmp_path / kernel)}, host_kernel=kernel) as cap:
+            a = torch.tensor([1.0, -2.0, 0.5, 448.0]).to(torch.float8_e4m3fn).clone()
+            b = torch.tensor([1.0, math.nan]).to(torch.float8_e5m2).clone()
+            c = torch.arange(5, dtype=torch.int32).to(torch.uint16).clone()
+        assert a.dtype == torch.float8_e4m3fn and b.numel() == 2 and c.numel() == 5
+        clones = [r["outputs"][0] for r in ops(read_trace(cap.path)) if r["fn"] == "Tensor.clone"]
+        assert [e["dtype"] for e in clones] == ["float8_e4m3fn", "float8_e5m2", "uint16"]
+        assert clones[0]["stats"]["min"] == -2.0 and clones[0]["stats"]["max"] == 448.0
+        assert clones[1]["stats"]["nan"] == 1 and clones[1]["stats"]["max"] == "nan"
+        assert clones[2]["stats"]["max"] == 4.0 and clones[2]["stats"]["mean"] == 2.0
+        got[kernel] = [(e["digest"], e["stats"]) for e in clones]
+    assert len(set(map(repr, got.values()))) == 1
