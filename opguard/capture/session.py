@@ -131,6 +131,7 @@ class Session:
         self.closed = False
         self.busy = 0  # > 0 while capture itself runs tensor work (the dispatch level ignores it)
         self.on_cap: list[Any] = []  # callables run when the cap stops interception
+        self._failures: set[tuple[str, torch.dtype]] = set()  # summary failures already said on stderr
         self.started_at = time.time()
         self.writer: JsonlWriter = open_jsonl(TRACE, rank=self.rank, env=environ, rotate_bytes=SEGMENT_BYTES)
         self._write_meta(final=False)
@@ -283,7 +284,10 @@ class Session:
     def entry(self, call: Call, slot: str, t: torch.Tensor, output: bool, *, fresh: bool = False) -> dict[str, Any]:
         e: dict[str, Any] = {"slot": slot, "dtype": records.dtype_name(t.dtype), "shape": list(t.shape),
                              "device": records.device_name(t.device), "digest": None}
-        s = self.summarize(t, output, fresh=fresh)
+        try:
+            s: _Summary | str = self.summarize(t, output, fresh=fresh)
+        except Exception as err:  # capture's own tensor work must never break the program: say so instead
+            s = self._summary_failed(err, t)
         if isinstance(s, str):
             e["reason"] = s
             if output:
@@ -295,6 +299,18 @@ class Session:
             e["stats"] = None
         call.fills.append((e, s, output))
         return e
+
+    def _summary_failed(self, err: Exception, t: torch.Tensor) -> str:
+        """The entry's ``reason`` when digesting/summarising a tensor raised; said on stderr once per
+        kind of failure (exception type and dtype), every entry keeps the reason."""
+        reason = f"summary failed: {type(err).__name__}: {err}"[:300]
+        key = (type(err).__name__, t.dtype)
+        if key not in self._failures:
+            self._failures.add(key)
+            print(f"opguard capture: rank {self.rank}: summarising a {records.dtype_name(t.dtype)} tensor on "
+                  f"{records.device_name(t.device)} failed ({reason}); such entries are recorded without digest "
+                  "and statistics (their 'reason' says why) and the program continues", file=sys.stderr, flush=True)
+        return reason
 
     # ---- records ------------------------------------------------------------------------------
     def begin(self, api: str, fn: str, site: Site, *, phase: str = "forward",

@@ -247,3 +247,27 @@ def test_element_types_the_kernel_does_not_read_still_get_digest_and_statistics(
         assert clones[2]["stats"]["max"] == 4.0 and clones[2]["stats"]["mean"] == 2.0
         got[kernel] = [(e["digest"], e["stats"]) for e in clones]
     assert len(set(map(repr, got.values()))) == 1
+
+
+def test_a_failing_summary_never_breaks_the_program(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                    capfd: pytest.CaptureFixture[str]) -> None:
+    """Capture's own tensor work raising (a dtype or device without a kernel): the user's call
+    returns its result, the entry says why it has no digest and statistics, stderr says it once."""
+    from opguard.capture import session
+
+    def broken(t: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError(f"no reduction for {t.dtype}")
+
+    monkeypatch.setattr(session, "stats_row", broken)
+    monkeypatch.setattr(hostkernel, "CODES", {})  # every dtype goes through (the broken) stats_row
+    with oc.capture(env={"OPGUARD_TRACE_OUTPUT_BASE": str(tmp_path / "o")}) as cap:
+        x = torch.ones(4).mul(3)
+        y = x.add(1)
+    assert torch.equal(y, torch.full((4,), 4.0))
+    outs = [r["outputs"][0] for r in ops(read_trace(cap.path)) if r["fn"] in ("Tensor.mul", "Tensor.add")]
+    assert len(outs) == 2
+    for e in outs:
+        assert e["digest"] is None and e["stats"] is None
+        assert e["reason"] == "summary failed: NotImplementedError: no reduction for torch.float32"
+    err = capfd.readouterr().err
+    assert err.count("summarising a float32 tensor on cpu failed") == 1
