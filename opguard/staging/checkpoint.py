@@ -34,11 +34,7 @@ class FileRecord:
     def identity(self) -> tuple[int, int, int, int, int]:
         return (self.dev, self.ino, self.size, self.mtime_ns, self.ctime_ns)
 
-    def to_json(self) -> dict[str, Any]:
-        """Every field (what ``dump_json`` writes for a record: orjson serializes the dataclass itself)."""
-        return {"kind": self.kind, "version": self.version, "dev": self.dev, "ino": self.ino, "size": self.size,
-                "mtime_ns": self.mtime_ns, "ctime_ns": self.ctime_ns, "offset": self.offset,
-                "tail_sha256": self.tail_sha256, "deleted": self.deleted}
+    # written as the object of all its fields (``fsutil.dumps_json``: orjson encodes the dataclass itself)
 
     def clone(self) -> FileRecord:
         return FileRecord(self.kind, self.version, self.dev, self.ino, self.size, self.mtime_ns, self.ctime_ns,
