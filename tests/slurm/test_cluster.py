@@ -6,6 +6,8 @@ from pathlib import Path
 
 from .conftest import APPS, BIN, Cluster
 
+GLOO_CONNECT_ABORT = "terminate called without an active exception"  # pytorch/gloo#162, no opguard involved
+
 
 def test_sbatch_and_srun_reach_every_node(cluster: Cluster, workdir: Path) -> None:
     script = workdir / "hostname.sbatch"
@@ -44,9 +46,17 @@ srun -n "$SLURM_NNODES" --ntasks-per-node=1 {BIN}/torchrun --nnodes="$SLURM_NNOD
   --max-restarts=1 --rdzv-backend=c10d --rdzv-endpoint="$FIRST:$PORT" --rdzv-id="$SLURM_JOB_ID" \\
   {APPS}/ddp_check.py {workdir}
 """)
-    job = cluster.wait(cluster.sbatch(script, "-N", "2", "--ntasks-per-node=1", "-t", "3",
-                                      "-o", str(workdir / "out-%j.txt")), timeout=150)
-    assert job.state == "COMPLETED", (job.fields, (workdir / f"out-{job.job_id}.txt").read_text()[-3000:])
+    for attempt in (1, 2):
+        job = cluster.wait(cluster.sbatch(script, "-N", "2", "--ntasks-per-node=1", "-t", "3",
+                                          "-o", str(workdir / "out-%j.txt")), timeout=150)
+        out = (workdir / f"out-{job.job_id}.txt").read_text()
+        # one new job when gloo aborted at connect (pytorch/gloo#162) and torchrun's own restart of the
+        # group across the two nodes failed too (seen once in CI here: the restarted peer refused)
+        if job.state == "COMPLETED" or GLOO_CONNECT_ABORT not in out or attempt == 2:
+            break
+        for r in range(4):
+            (workdir / f"rank{r}.txt").unlink(missing_ok=True)
+    assert job.state == "COMPLETED", (job.fields, out[-3000:])
     rows = sorted((workdir / f"rank{r}.txt").read_text().split() for r in range(4))
     assert [r[:2] for r in rows] == [[str(r), "4"] for r in range(4)]
     assert {r[2] for r in rows} == {"node1", "node2"}
