@@ -54,7 +54,7 @@ def resolve(choice: str, *, warn: bool = True) -> ModuleType | None:
             "opguard opguard), or set OPGUARD_CAPTURE_HOST_KERNEL=auto or torch")
     if warn:
         print(f"opguard capture: the native host kernel opguard.capture._hostkernel is not built ({LOAD_ERROR}); "
-              "CPU tensors are summarised with PyTorch ops, 2-10x slower per tensor (docs/capture.md §5.2). "
+              "CPU tensors are summarised with PyTorch ops, 2-47x slower per tensor (docs/capture.md §5.2). "
               "Reinstall opguard with a C compiler available, or set OPGUARD_CAPTURE_HOST_KERNEL=torch to "
               "choose that path explicitly.", file=sys.stderr, flush=True)
     return None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 from typing import Any
 
@@ -115,6 +116,11 @@ def json_float(x: float) -> float | str:
 
 
 def encode(obj: dict[str, Any]) -> bytes:
-    """One compact JSON line, UTF-8 (orjson: ~5x faster than ``json`` here). Records hold no
-    non-finite float (statistics go through :func:`json_float`; orjson would write ``null``)."""
-    return orjson.dumps(obj, option=orjson.OPT_APPEND_NEWLINE)
+    """One compact JSON line, UTF-8 (orjson). Records hold no non-finite float (statistics go
+    through :func:`json_float`; orjson would write ``null``). A string that is not valid UTF-8 (a
+    source path with surrogate escapes, an exception message) makes orjson refuse the record: such
+    a record is written by ``json`` with ASCII escapes, so it is kept, never dropped."""
+    try:
+        return orjson.dumps(obj, option=orjson.OPT_APPEND_NEWLINE)
+    except TypeError:
+        return (json.dumps(obj, separators=(",", ":"), allow_nan=False) + "\n").encode()

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import importlib.machinery
 import importlib.util
+import json
 import math
+import os
 import platform
 import subprocess
 import sys
@@ -271,3 +273,10 @@ def test_a_failing_summary_never_breaks_the_program(tmp_path: Path, monkeypatch:
         assert e["reason"] == "summary failed: NotImplementedError: no reduction for torch.float32"
     err = capfd.readouterr().err
     assert err.count("summarising a float32 tensor on cpu failed") == 1
+
+
+def test_a_record_with_a_string_that_is_not_utf8_is_kept() -> None:
+    from opguard.capture import records
+
+    line = records.encode({"v": 1, "kind": "op", "file": os.fsdecode(b"/x/tr\xffin.py"), "seq": 3})
+    assert line.endswith(b"\n") and json.loads(line)["file"] == os.fsdecode(b"/x/tr\xffin.py")
