@@ -1,13 +1,19 @@
-"""Several streams of one sync built at once: the same batches as one at a time, uploads never
-overlap (the in-process mutex, then the node upload lock), reports in the order of the streams."""
+"""Several streams of one sync built at once (in forked worker processes, or threads): the same
+batches as one at a time, uploads never overlap (the sync's own mutex, then the node upload lock),
+reports in the order of the streams, a dead worker costs its stream this sync only, and a killed
+sync leaves no worker behind."""
 
 from __future__ import annotations
 
+import itertools
 import os
-import threading
+import signal
+import subprocess
 import time
+from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 
 from opguard.staging import sync as sync_mod
@@ -15,6 +21,7 @@ from opguard.staging.config import StagingConfig
 from opguard.staging.layout import Layout
 from opguard.staging.sync import stream_workers, sync_streams
 from opguard.staging.writers import write_file_atomic
+from tests.conftest import BIN
 from tests.test_sync_support import rank_dir, replay
 
 
@@ -29,35 +36,86 @@ def _fill(env: dict[str, str], ranks: int) -> dict[int, dict[str, bytes]]:
     return written
 
 
-@pytest.mark.parametrize("workers", [1, 4])
+@pytest.mark.parametrize(("workers", "processes"), [(1, None), (4, False), (4, True)],
+                         ids=["one-at-a-time", "threads", "processes"])
 def test_parallel_streams_publish_what_was_written_and_uploads_take_turns(
-        staging_env: dict[str, str], monkeypatch: pytest.MonkeyPatch, workers: int) -> None:
+        staging_env: dict[str, str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path, workers: int,
+        processes: bool | None) -> None:
     written = _fill(staging_env, 6)
-    active: list[int] = [0]
-    most: list[int] = [0]
-    guard = threading.Lock()
+    log = tmp_path / "uploads"  # one line per upload: start, end, pid (workers may be processes)
     real_upload = sync_mod.upload
 
-    def counting_upload(*a: Any, **k: Any) -> Any:
-        with guard:
-            active[0] += 1
-            most[0] = max(most[0], active[0])
+    def logged_upload(*a: Any, **k: Any) -> Any:
+        t0 = time.monotonic()
+        time.sleep(0.02)  # widen the window in which an overlap would show
         try:
-            time.sleep(0.02)  # widen the window in which an overlap would show
             return real_upload(*a, **k)
         finally:
-            with guard:
-                active[0] -= 1
+            with open(log, "a") as f:
+                f.write(f"{t0} {time.monotonic()} {os.getpid()}\n")
 
-    monkeypatch.setattr(sync_mod, "upload", counting_upload)
+    monkeypatch.setattr(sync_mod, "upload", logged_upload)
     config = StagingConfig.from_env(staging_env)
     streams = [f"rank-{r:06d}" for r in reversed(range(6))]
-    rep = sync_streams(config, Layout(config), streams, node_id="node-a", workers=workers)
+    rep = sync_streams(config, Layout(config), streams, node_id="node-a", workers=workers, processes=processes)
     assert [s.stream for s in rep.streams] == streams  # the order given, whatever finished first
-    assert all(s.exit_code == 0 and s.batches == 1 for s in rep.streams), rep.to_json()
-    assert most[0] == 1  # never two uploads at once from one node
+    assert all(s.exit_code == 0 and s.batches == 1 and s.uploaded_bytes > 0 for s in rep.streams), rep.to_json()
+    spans = sorted((float(a), float(b), int(pid)) for a, b, pid in (ln.split() for ln in log.read_text().splitlines()))
+    assert len(spans) == 6
+    assert all(x[1] <= y[0] for x, y in itertools.pairwise(spans)), f"two uploads at once: {spans}"
+    pids = {pid for _, _, pid in spans}
+    assert (os.getpid() not in pids and len(pids) >= 2) if processes else pids == {os.getpid()}
     for r, files in written.items():
         assert replay(staging_env, f"rank-{r:06d}") == files
+
+
+def test_a_stream_whose_worker_process_dies_is_reported_and_the_next_sync_publishes_it(
+        staging_env: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> None:
+    written = _fill(staging_env, 4)
+    real = sync_mod._sync_stream
+
+    def dying(ctx: Any, final: bool) -> None:
+        if ctx.stream == "rank-000002":
+            os.kill(os.getpid(), signal.SIGKILL)  # as the OOM killer would
+        real(ctx, final)
+
+    monkeypatch.setattr(sync_mod, "_sync_stream", dying)
+    config = StagingConfig.from_env(staging_env)
+    streams = [f"rank-{r:06d}" for r in range(4)]
+    rep = sync_streams(config, Layout(config), streams, node_id="node-a", workers=2, processes=True)
+    lost = rep.streams[2]
+    assert lost.exit_code == 4 and rep.exit_code == 4
+    assert lost.error is not None and "rank-000002: its worker process was killed by SIGKILL" in lost.error
+    assert all(s.exit_code == 0 and s.batches == 1 for i, s in enumerate(rep.streams) if i != 2), rep.to_json()
+    monkeypatch.setattr(sync_mod, "_sync_stream", real)
+    again = sync_streams(config, Layout(config), streams, node_id="node-a", workers=2, processes=True)
+    assert again.exit_code == 0 and [s.batches for s in again.streams] == [0, 0, 1, 0]
+    for r, files in written.items():
+        assert replay(staging_env, f"rank-{r:06d}") == files
+
+
+def test_a_killed_sync_leaves_no_worker_behind(staging_env: dict[str, str]) -> None:
+    _fill(staging_env, 4)
+    env = {**staging_env, "OPGUARD_SYNC_MBPS": "0.25"}  # 1.3 MiB a stream: each upload takes seconds
+    p = subprocess.Popen([str(BIN / "opguard"), "sync", "--all", "-q"], env=env, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 60
+        workers: list[psutil.Process] = []
+        while len(workers) < 2:  # the sync forked its stream workers (polled: no event to await here)
+            assert p.poll() is None and time.monotonic() < deadline, "no stream workers appeared"
+            workers = psutil.Process(p.pid).children()
+            time.sleep(0.01)
+        p.kill()
+        p.wait(timeout=30)
+        _, alive = psutil.wait_procs(workers, timeout=30)
+        assert alive == [], f"stream workers outlived the killed sync: {alive}"
+    finally:
+        p.kill()
+        if p.stderr:
+            p.stderr.close()
+    r = subprocess.run([str(BIN / "opguard"), "sync", "--all", "--final", "-q"], env=staging_env,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr  # no stream lock left held, everything resumes
 
 
 def test_stream_workers_is_derived_from_the_cpus_and_bounded() -> None:

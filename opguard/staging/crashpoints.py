@@ -11,10 +11,16 @@ itself — no cleanup, no ``finally``, no flush, exactly like a crash — at the
 
 An unknown ``NAME`` is refused with a :class:`~opguard.errors.ConfigError` at the first point
 reached, so a typo in a test cannot silently test nothing.
+
+A sync that forks stream workers (``opguard.staging.forkpool``) calls :func:`share` first: the
+counts then live in memory shared with the workers (the N-th point of the whole sync, as without
+workers), and a worker that reaches the chosen point SIGKILLs the sync's own process first, then
+itself; the other workers die with their parent. The test sees the sync killed, as without workers.
 """
 
 from __future__ import annotations
 
+import mmap
 import os
 import signal
 
@@ -49,6 +55,45 @@ POINTS = (
 _spec: tuple[str, int] | None = None
 _armed: bool | None = None
 _counts: dict[str, int] = {}
+_shared: _SharedCount | None = None
+
+
+class _SharedCount:
+    """The one count that matters (of the chosen point, or of all points for ``*``), in memory
+    shared with forked workers, with a one-byte token in a pipe as its lock."""
+
+    def __init__(self, start: int) -> None:
+        self.root = os.getpid()
+        self._mem = mmap.mmap(-1, 8)
+        self._n = memoryview(self._mem).cast("q")
+        self._n[0] = start
+        self._r, self._w = os.pipe()
+        os.write(self._w, b"t")
+
+    def bump(self) -> int:
+        os.read(self._r, 1)
+        try:
+            self._n[0] += 1
+            return int(self._n[0])
+        finally:
+            os.write(self._w, b"t")
+
+
+def _arm() -> None:
+    global _spec, _armed
+    value = os.environ.get(ENV)
+    _armed = bool(value)
+    if value:
+        _spec = _parse(value)
+
+
+def share() -> None:
+    """Before forking workers: count in shared memory, and remember this process as the sync's."""
+    global _shared
+    if _armed is None:
+        _arm()
+    if _armed and _spec is not None and _shared is None:
+        _shared = _SharedCount(_counts.get(_spec[0], 0))
 
 
 def _parse(value: str) -> tuple[str, int]:
@@ -61,12 +106,8 @@ def _parse(value: str) -> tuple[str, int]:
 
 def hit(name: str) -> None:
     """Reached crash point ``name``: SIGKILL this process if the test asked for it here."""
-    global _spec, _armed
     if _armed is None:
-        value = os.environ.get(ENV)
-        _armed = bool(value)
-        if value:
-            _spec = _parse(value)
+        _arm()
     if not _armed or _spec is None:
         return
     if name not in POINTS:
@@ -74,6 +115,11 @@ def hit(name: str) -> None:
     key = "*" if _spec[0] == "*" else name
     if key != _spec[0]:
         return
-    _counts[key] = _counts.get(key, 0) + 1
-    if _counts[key] == _spec[1]:
+    if _shared is not None:
+        n = _shared.bump()
+        if n == _spec[1] and _shared.root != os.getpid():
+            os.kill(_shared.root, signal.SIGKILL)  # the sync itself; its other workers die with it
+    else:
+        n = _counts[key] = _counts.get(key, 0) + 1
+    if n == _spec[1]:
         os.kill(os.getpid(), signal.SIGKILL)

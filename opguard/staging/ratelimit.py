@@ -6,8 +6,10 @@ bucket the uploader uses with a virtual clock.
 
 from __future__ import annotations
 
+import mmap
 import time
-from collections.abc import Callable
+from collections.abc import Callable, MutableSequence
+from typing import Any
 
 DEFAULT_BURST_SECONDS = 0.05
 
@@ -29,27 +31,43 @@ class TokenBucket:
         self.burst = max(1.0, float(burst) if burst is not None else rate * DEFAULT_BURST_SECONDS)
         self._clock = clock
         self._sleep = sleep
-        self._tokens = self.burst
-        self._last = clock()
-        self.slept = 0.0
+        # tokens, last refill, seconds slept: a list, or doubles in shared memory after share()
+        self._s: MutableSequence[float] | Any = [self.burst, clock(), 0.0]
+
+    @property
+    def slept(self) -> float:
+        return self._s[2]
+
+    def share(self) -> None:
+        """Keep the state in memory shared with the processes forked after this call (a sync's
+        stream workers, ``opguard.staging.forkpool``), so that they drain one bucket: the node's cap.
+        Callers serialise :meth:`consume` across those processes (the uploads take turns)."""
+        import ctypes
+
+        mem = mmap.mmap(-1, ctypes.sizeof(ctypes.c_double) * 3)
+        shared = (ctypes.c_double * 3).from_buffer(mem)
+        shared[:] = list(self._s)
+        self._mem, self._s = mem, shared
 
     def _refill(self) -> None:
+        s = self._s
         now = self._clock()
-        if now > self._last:
-            self._tokens = min(self.burst, self._tokens + (now - self._last) * self.rate)
-        self._last = now
+        if now > s[1]:
+            s[0] = min(self.burst, s[0] + (now - s[1]) * self.rate)
+        s[1] = now
 
     def consume(self, n: int) -> float:
         """Take ``n`` tokens, sleeping off any debt; returns the seconds slept."""
         if n <= 0:
             return 0.0
+        s = self._s
         self._refill()
-        self._tokens -= n
-        if self._tokens >= 0:
+        s[0] -= n
+        if s[0] >= 0:
             return 0.0
-        wait = -self._tokens / self.rate
+        wait = -s[0] / self.rate
         self._sleep(wait)
-        self.slept += wait
+        s[2] += wait
         self._refill()
         return wait
 
@@ -58,6 +76,9 @@ class Unlimited:
     """The same interface without a cap (used when no rate applies)."""
 
     slept = 0.0
+
+    def share(self) -> None:
+        """Nothing to share."""
 
     def consume(self, n: int) -> float:
         return 0.0

@@ -22,7 +22,7 @@ from typing import Any
 import filelock
 
 from opguard.errors import ConfigError, IdentityError, LockTimeout, OpguardError, PublishError
-from opguard.staging import crashpoints
+from opguard.staging import crashpoints, forkpool
 from opguard.staging.build import BatchSource, Torn, build_batch
 from opguard.staging.bundle import ZSTD_THREADS, BatchWriteError, read_manifest
 from opguard.staging.checkpoint import Checkpoint, Pending, save_checkpoint
@@ -31,7 +31,7 @@ from opguard.staging.fsutil import create_exclusive, dump_json, fsync_dir, read_
 from opguard.staging.layout import NODE_COPY_DIRNAME, RANKS_DIRNAME, WRITER_TMP_PREFIX, Layout, node_stream
 from opguard.staging.plan import Item, select_batch
 from opguard.staging.publish import Bucket, remove_stale_tmp, upload
-from opguard.staging.ratelimit import TokenBucket
+from opguard.staging.ratelimit import TokenBucket, Unlimited
 from opguard.staging.scan import Change, detect, walk
 from opguard.staging.target import check_stream, ensure_target, staging_of
 from opguard.staging.units import format_bytes
@@ -130,7 +130,6 @@ def all_streams(config: StagingConfig, layout: Layout, node_id: str) -> list[str
 
 
 MAX_STREAM_WORKERS = 4
-_UPLOADING = threading.Lock()  # one upload at a time from this process (then the node's upload lock)
 
 
 # ---- building a batch ----------------------------------------------------------------------------
@@ -148,6 +147,7 @@ class _Ctx:
     progress: Progress
     report: StreamReport
     zstd_threads: int = ZSTD_THREADS
+    uploading: Any = None  # the sync's own uploads take turns on this (then on the node upload lock)
     skipped_changed: bool = False
 
     @property
@@ -222,7 +222,7 @@ def _publish(ctx: _Ctx, pending: Pending) -> Checkpoint:
                             "restore the staging directory or choose a new run ID")
     try:
         lock = filelock.FileLock(os.fspath(ctx.layout.node_upload_lock), timeout=ctx.config.lock_timeout)
-        with _UPLOADING, lock:  # this process's streams queue without a timeout; other processes with one
+        with ctx.uploading, lock:  # this sync's streams queue without a timeout; other processes with one
             crashpoints.hit("upload-locked")
             copied = upload(src, ctx.target_dir, pending.name, pending.size, ctx.bucket)
     except filelock.Timeout:
@@ -420,12 +420,12 @@ def stream_workers(streams: int) -> int:
 
 
 def _sync_one(config: StagingConfig, layout: Layout, sr: StreamReport, final: bool, node_id: str, tb: Bucket,
-              say: Progress, zstd_threads: int) -> None:
+              say: Progress, zstd_threads: int, uploading: Any) -> StreamReport:
     stream = sr.stream
     ts = time.monotonic()
     try:
         root, kind, rank = stream_root(layout, stream, node_id)
-        ctx = _Ctx(config, layout, stream, node_id, root, kind, rank, tb, say, sr, zstd_threads)
+        ctx = _Ctx(config, layout, stream, node_id, root, kind, rank, tb, say, sr, zstd_threads, uploading)
         layout.locks_dir.mkdir(parents=True, exist_ok=True)
         lock = filelock.FileLock(os.fspath(layout.stream_lock(stream)), timeout=config.lock_timeout)
         try:
@@ -449,16 +449,27 @@ def _sync_one(config: StagingConfig, layout: Layout, sr: StreamReport, final: bo
                              "fix the file or directory named; nothing partial was published and the next "
                              "sync retries"))
     sr.seconds = time.monotonic() - ts
+    return sr
+
+
+def _worker_lost(sr: StreamReport, why: str) -> StreamReport:
+    sr.fail(PublishError(
+        f"stream {sr.stream}: {why}; what it had not published stays in the staging "
+        "directory (pending or unread), nothing partial is visible on the target",
+        "run the sync again (it resumes); if the kernel log shows the OOM killer, lower "
+        "OPGUARD_SYNC_BATCH_MB or leave the node more memory"))
+    return sr
 
 
 def sync_streams(config: StagingConfig, layout: Layout, streams: Sequence[str], *, final: bool = False,
                  node_id: str, progress: Progress | None = None, bucket: Bucket | None = None,
-                 workers: int | None = None) -> SyncReport:
+                 workers: int | None = None, processes: bool | None = None) -> SyncReport:
     """Sync each stream (periodic: at most one batch each; ``final``: drain and seal).
 
     Streams are independent (their own lock, checkpoint, pending batch and target directory): up
-    to ``workers`` (default :func:`stream_workers`) are scanned and built at once, in threads
-    (reading, hashing and compressing release the GIL); their uploads take turns. Errors are
+    to ``workers`` (default :func:`stream_workers`) are scanned and built at once, in forked worker
+    processes (:mod:`opguard.staging.forkpool`; ``processes``: None = where that is safe, False =
+    threads, True = processes or ``ValueError``); their uploads take turns. Errors are
     recorded per stream (``StreamReport.error``/``exit_code``) and never stop the other streams;
     identity errors that concern the whole staging base apply to every stream.
     """
@@ -485,15 +496,31 @@ def sync_streams(config: StagingConfig, layout: Layout, streams: Sequence[str], 
     report.streams = [StreamReport(stream) for stream in streams]
     n = stream_workers(len(streams)) if workers is None else max(1, min(workers, len(streams)))
     zthreads = ZSTD_THREADS if n == 1 else 0
+    own = tb if isinstance(tb, TokenBucket | Unlimited) else None  # one the workers can share
+    forked = n > 1 and processes is not False and forkpool.available() and own is not None
+    if processes and not forked and n > 1:
+        raise ValueError("processes=True needs Linux, a single-threaded caller and opguard's own bucket")
+    uploading: Any = forkpool.ProcessMutex() if forked else threading.Lock()
 
-    def one(sr: StreamReport) -> None:
-        _sync_one(config, layout, sr, final, node_id, tb, say, zthreads)
+    def one(sr: StreamReport) -> StreamReport:
+        return _sync_one(config, layout, sr, final, node_id, tb, say, zthreads, uploading)
 
-    if n == 1:
-        for sr in report.streams:
-            one(sr)
-    else:
-        with ThreadPoolExecutor(max_workers=n, thread_name_prefix="opguard-sync") as pool:
-            list(pool.map(one, report.streams))
+    try:
+        if n == 1:
+            for sr in report.streams:
+                one(sr)
+        elif forked:
+            def before_fork() -> None:
+                crashpoints.share()
+                if own is not None:
+                    own.share()  # one bucket for the node, whichever worker uploads
+
+            report.streams = forkpool.run(report.streams, n, one, _worker_lost, before_fork)
+        else:
+            with ThreadPoolExecutor(max_workers=n, thread_name_prefix="opguard-sync") as pool:
+                list(pool.map(one, report.streams))
+    finally:
+        if isinstance(uploading, forkpool.ProcessMutex):
+            uploading.close()
     report.seconds = time.monotonic() - t0
     return report
