@@ -169,6 +169,8 @@ def run(jobs: Sequence[T], workers: int, fn: Callable[[T], R], lost: Callable[[T
     the first such exception is raised here once every worker has exited (the others' results are
     then lost with it, as with :class:`concurrent.futures.ThreadPoolExecutor`'s ``map``).
     """
+    if not jobs:
+        return []
     libc = ctypes.CDLL(None, use_errno=True)
     results: list[Any] = [_MISSING] * len(jobs)
     errors: list[tuple[BaseException, str]] = []

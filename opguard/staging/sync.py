@@ -498,9 +498,14 @@ def sync_streams(config: StagingConfig, layout: Layout, streams: Sequence[str], 
     zthreads = ZSTD_THREADS if n == 1 else 0
     own = tb if isinstance(tb, TokenBucket | Unlimited) else None  # one the workers can share
     forked = n > 1 and processes is not False and forkpool.available() and own is not None
+    uploading: Any = threading.Lock()
+    if forked:
+        try:
+            uploading = forkpool.ProcessMutex()
+        except OSError:  # no temporary file for the mutex (TMPDIR unwritable): threads need none
+            forked = False
     if processes and not forked and n > 1:
-        raise ValueError("processes=True needs Linux, a single-threaded caller and opguard's own bucket")
-    uploading: Any = forkpool.ProcessMutex() if forked else threading.Lock()
+        raise ValueError("processes=True needs Linux, a single-threaded caller, opguard's own bucket and TMPDIR")
 
     def one(sr: StreamReport) -> StreamReport:
         return _sync_one(config, layout, sr, final, node_id, tb, say, zthreads, uploading)
