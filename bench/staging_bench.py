@@ -404,11 +404,40 @@ def item_rss(work: Path, repeat: int, state: dict[str, object]) -> Result:
     small = Workspace(work, "e-small")
     (small.rank(0) / "one.json").write_bytes(b"{}\n")
     tiny = check(run_rss([OPGUARD, "sync", "-q"], small.env), "sync")
+    many = Workspace(work, "e-streams")  # the same payload in 4 streams: a sync --all and its stream workers
+    for r in range(4):
+        with open(many.rank(r) / "big.bin", "wb") as f:
+            for _ in range(64):
+                f.write(os.urandom(MiB // 2) + bytes(MiB // 2))
+    tree = tree_memory([OPGUARD, "sync", "--all", "-q"], many.env)
     return {"item": "e", "what": "peak RSS of a sync building and uploading a 256 MiB batch",
             "batch_MiB": round(manifest.stat().st_size / MiB, 1), "payload_MiB": 256,
             "peak_rss_MiB": round(big.maxrss_kib / 1024, 1), "tiny_batch_rss_MiB": round(tiny.maxrss_kib / 1024, 1),
             "ratio": round(big.maxrss_kib / 1024 / 128, 3), "goal": "<= 128 MiB (ratio: peak / 128 MiB)",
-            "vs_tiny_batch": round(big.maxrss_kib / tiny.maxrss_kib, 2)}
+            "vs_tiny_batch": round(big.maxrss_kib / tiny.maxrss_kib, 2),
+            "four_streams_of_64_MiB": tree}
+
+
+def tree_memory(cmd: Sequence[str], env: dict[str, str]) -> dict[str, float]:
+    """Peak of the summed RSS and PSS of a command and its child processes (sampled every 20 ms)."""
+    import psutil
+
+    p = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE)
+    top = psutil.Process(p.pid)
+    rss = pss = 0
+    procs = 0
+    while p.poll() is None:
+        try:
+            tree = [top, *top.children(recursive=True)]
+            infos = [t.memory_full_info() for t in tree]
+        except psutil.Error:
+            continue
+        rss, pss = max(rss, sum(i.rss for i in infos)), max(pss, sum(i.pss for i in infos))
+        procs = max(procs, len(tree))
+        time.sleep(0.02)  # a sampling period, not a synchronisation
+    _, err = p.communicate()
+    assert p.returncode == 0, err
+    return {"processes": procs, "peak_sum_rss_MiB": round(rss / MiB, 1), "peak_sum_pss_MiB": round(pss / MiB, 1)}
 
 
 ITEMS: dict[str, Callable[[Path, int, dict[str, object]], Result]] = {
