@@ -274,19 +274,24 @@ def item_restore(work: Path, repeat: int, state: dict[str, object]) -> Result:
             "zstd_tar_fsync_s": round(durable.wall, 3), "ratio_vs_fsynced": round(ours.wall / durable.wall, 3)}
 
 
-def item_files(work: Path, repeat: int, state: dict[str, object]) -> Result:
-    ws = Workspace(work, "b-files")
+def small_files_tree(ws: Workspace, ranks: int = 8, files: int = 5000) -> Path:
+    """(b)'s tree: ``ranks`` x ``files`` files of 16 KiB cut from trace records; returns the ranks' directory."""
     rng = random.Random(11)
-    pool = work / "b-pool.jsonl"  # trace records to cut the small files from (compressible like real traces)
+    pool = ws.root / "pool.jsonl"  # trace records to cut the small files from (compressible like real traces)
     write_jsonl(pool, 8 * MiB, rng)
     records = pool.read_bytes()
     pool.unlink()
-    for r in range(8):
+    for r in range(ranks):
         d = ws.rank(r)
-        for i in range(5000):
+        for i in range(files):
             at = rng.randrange(0, len(records) - (16 << 10))
             (d / f"f{i:05d}.json").write_bytes(records[at: at + (16 << 10)])
-    src = ws.local / "ranks"
+    return ws.local / "ranks"
+
+
+def item_files(work: Path, repeat: int, state: dict[str, object]) -> Result:
+    ws = Workspace(work, "b-files")
+    src = small_files_tree(ws)
     direct = work / "b-copy"
     # Interleaved rounds, each side after a global sync(): one side's best against the other's best
     # would compare two states of the machine. The median of the rounds' ratios is the figure.

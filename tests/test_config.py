@@ -31,6 +31,7 @@ BAD = [
     ("OPGUARD_NODE_ID", ".hidden", "not a valid node ID"),
     ("OPGUARD_RUN_ID", "a/b", "not a valid run ID"),
     ("OPGUARD_RUN_ID", "", "empty"),
+    ("OPGUARD_SYNC_WORKERS", "forks", "not a worker kind"),
 ]
 
 
@@ -59,6 +60,8 @@ def test_defaults_and_derived_values() -> None:
     c = StagingConfig.from_env({**BASE, "OPGUARD_SYNC_BATCH_MB": "8", "OPGUARD_SYNC_MBPS": "0.5",
                                 "OPGUARD_LOCAL_DUMP_ENABLED": "yes"})
     assert c.enabled and c.batch_bytes == 8 * MIB and c.rate_bytes_per_s == MIB // 2
+    assert c.sync_workers == "auto"
+    assert StagingConfig.from_env({**BASE, "OPGUARD_SYNC_WORKERS": " Threads "}).sync_workers == "threads"
 
 
 def test_run_id_default_from_an_invalid_basename_names_the_source() -> None:

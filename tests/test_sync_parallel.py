@@ -9,6 +9,7 @@ import itertools
 import os
 import signal
 import subprocess
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,7 @@ from typing import Any
 import psutil
 import pytest
 
+from opguard.errors import ConfigError
 from opguard.staging import sync as sync_mod
 from opguard.staging.config import StagingConfig
 from opguard.staging.layout import Layout
@@ -36,11 +38,13 @@ def _fill(env: dict[str, str], ranks: int) -> dict[int, dict[str, bytes]]:
     return written
 
 
-@pytest.mark.parametrize(("workers", "processes"), [(1, None), (4, False), (4, True)],
-                         ids=["one-at-a-time", "threads", "processes"])
+@pytest.mark.parametrize(("workers", "processes", "kind", "forks"),
+                         [(1, None, "auto", False), (4, False, "auto", False), (4, True, "auto", True),
+                          (4, None, "auto", True), (4, None, "threads", False), (4, None, "processes", True)],
+                         ids=["one-at-a-time", "threads", "processes", "auto", "env-threads", "env-processes"])
 def test_parallel_streams_publish_what_was_written_and_uploads_take_turns(
         staging_env: dict[str, str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path, workers: int,
-        processes: bool | None) -> None:
+        processes: bool | None, kind: str, forks: bool) -> None:
     written = _fill(staging_env, 6)
     log = tmp_path / "uploads"  # one line per upload: start, end, pid (workers may be processes)
     real_upload = sync_mod.upload
@@ -55,7 +59,7 @@ def test_parallel_streams_publish_what_was_written_and_uploads_take_turns(
                 f.write(f"{t0} {time.monotonic()} {os.getpid()}\n")
 
     monkeypatch.setattr(sync_mod, "upload", logged_upload)
-    config = StagingConfig.from_env(staging_env)
+    config = StagingConfig.from_env({**staging_env, "OPGUARD_SYNC_WORKERS": kind})
     streams = [f"rank-{r:06d}" for r in reversed(range(6))]
     rep = sync_streams(config, Layout(config), streams, node_id="node-a", workers=workers, processes=processes)
     assert [s.stream for s in rep.streams] == streams  # the order given, whatever finished first
@@ -64,7 +68,7 @@ def test_parallel_streams_publish_what_was_written_and_uploads_take_turns(
     assert len(spans) == 6
     assert all(x[1] <= y[0] for x, y in itertools.pairwise(spans)), f"two uploads at once: {spans}"
     pids = {pid for _, _, pid in spans}
-    assert (os.getpid() not in pids and len(pids) >= 2) if processes else pids == {os.getpid()}
+    assert (os.getpid() not in pids and len(pids) >= 2) if forks else pids == {os.getpid()}
     for r, files in written.items():
         assert replay(staging_env, f"rank-{r:06d}") == files
 
@@ -123,3 +127,20 @@ def test_stream_workers_is_derived_from_the_cpus_and_bounded() -> None:
     assert stream_workers(1) == 1
     assert stream_workers(64) == min(cpus, sync_mod.MAX_STREAM_WORKERS)
     assert 1 <= stream_workers(2) <= 2
+
+
+def test_processes_asked_for_where_forking_is_unsafe_is_refused_before_anything_is_done(
+        staging_env: dict[str, str]) -> None:
+    _fill(staging_env, 2)
+    config = StagingConfig.from_env({**staging_env, "OPGUARD_SYNC_WORKERS": "processes"})
+    stop = threading.Event()
+    other = threading.Thread(target=stop.wait)  # a second thread: a fork would copy only this one
+    other.start()
+    try:
+        with pytest.raises(ConfigError, match="OPGUARD_SYNC_WORKERS=processes") as ei:
+            sync_streams(config, Layout(config), ["rank-000000", "rank-000001"], node_id="node-a", workers=2)
+        assert ei.value.exit_code == 2 and "threads" in ei.value.fix
+    finally:
+        stop.set()
+        other.join()
+    assert list(Path(staging_env["OPGUARD_LOCAL_DUMP_TARGET"]).iterdir()) == []  # not even the run identity

@@ -25,6 +25,7 @@ DEFAULT_SYNC_INTERVAL = 60.0
 DEFAULT_BATCH_MB = 256
 DEFAULT_MBPS = 32.0
 DEFAULT_LOCK_TIMEOUT = 60.0
+SYNC_WORKER_KINDS = ("auto", "processes", "threads")  # OPGUARD_SYNC_WORKERS (docs/protocol.md)
 
 
 def _bool(env: Mapping[str, str], name: str, default: bool) -> bool:
@@ -114,6 +115,7 @@ class StagingConfig:
     lock_timeout: float
     node_id: str | None
     run_id: str | None
+    sync_workers: str = "auto"
 
     @property
     def rate_bytes_per_s(self) -> float:
@@ -143,6 +145,11 @@ class StagingConfig:
         mbps = _number(env, "OPGUARD_SYNC_MBPS", DEFAULT_MBPS)
         aggregate = _number(env, "OPGUARD_SYNC_AGGREGATE_MBPS", None)
         lock_timeout = _number(env, "OPGUARD_SYNC_LOCK_TIMEOUT", DEFAULT_LOCK_TIMEOUT, strict=False)
+        workers = env.get("OPGUARD_SYNC_WORKERS", "auto").strip().lower() or "auto"
+        if workers not in SYNC_WORKER_KINDS:
+            raise ConfigError(f"OPGUARD_SYNC_WORKERS={env['OPGUARD_SYNC_WORKERS']!r} is not a worker kind",
+                              f"use one of {', '.join(SYNC_WORKER_KINDS)} (auto: forked processes where that "
+                              "is safe, else threads)")
         node_id = env.get("OPGUARD_NODE_ID")
         if node_id is not None:
             node_id = validate_node_id("OPGUARD_NODE_ID", node_id.strip())
@@ -161,6 +168,7 @@ class StagingConfig:
             output_base=output_base, enabled=enabled, target=target, local_base=local_base,
             sync_interval=interval, batch_bytes=int(batch_mb) * MIB, mbps=mbps,
             aggregate_mbps=aggregate, lock_timeout=lock_timeout, node_id=node_id, run_id=run_id,
+            sync_workers=workers,
         )
 
     def require_staging(self) -> tuple[Path, Path, str]:

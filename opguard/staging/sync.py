@@ -468,12 +468,19 @@ def sync_streams(config: StagingConfig, layout: Layout, streams: Sequence[str], 
 
     Streams are independent (their own lock, checkpoint, pending batch and target directory): up
     to ``workers`` (default :func:`stream_workers`) are scanned and built at once, in forked worker
-    processes (:mod:`opguard.staging.forkpool`; ``processes``: None = where that is safe, False =
-    threads, True = processes or ``ValueError``); their uploads take turns. Errors are
+    processes (:mod:`opguard.staging.forkpool`; ``processes``: None = ``OPGUARD_SYNC_WORKERS``, whose
+    ``auto`` forks where that is safe, False = threads, True = processes or ``ValueError``); their
+    uploads take turns. Errors are
     recorded per stream (``StreamReport.error``/``exit_code``) and never stop the other streams;
     identity errors that concern the whole staging base apply to every stream.
     """
     t0 = time.monotonic()
+    if processes is None and config.sync_workers != "auto":
+        processes = config.sync_workers == "processes"
+        if processes and not forkpool.available():
+            raise ConfigError("OPGUARD_SYNC_WORKERS=processes, but forking stream workers is not safe here (it "
+                              "needs Linux and a caller running a single thread)",
+                              "unset OPGUARD_SYNC_WORKERS (auto) or set it to threads")
     say: Progress = progress or (lambda _msg: None)
     report = SyncReport(final=final)
     try:
