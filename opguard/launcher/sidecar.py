@@ -209,14 +209,36 @@ class Sidecar:
         r = self.running
         if r is None:
             return None
-        if r.proc.poll() is None:
-            r.proc.kill()
-            r.proc.wait()
+        kill_sync(r.proc)
         return self._collect(r)
 
     @property
     def pid(self) -> int | None:
         return self.running.proc.pid if self.running else None
+
+
+def kill_sync(proc: subprocess.Popen[bytes]) -> None:
+    """SIGKILL a sync and its stream workers (its own process group: ``start_new_session``), wait
+    for it, and reap the workers that were reparented to this process (the wrapper is a child
+    subreaper; a worker is never left a zombie here). Nothing else of this process's children is
+    touched: the command runs in another process group."""
+    if proc.poll() is not None:
+        return
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        proc.kill()
+    proc.wait()
+    try:
+        orphans = psutil.Process().children()
+    except psutil.Error:
+        return
+    for child in orphans:
+        try:
+            if os.getpgid(child.pid) == proc.pid:
+                os.waitpid(child.pid, 0)  # killed above: returns as soon as it has exited
+        except (ProcessLookupError, ChildProcessError, PermissionError):
+            pass
 
 
 def node_env(base: dict[str, str], cap_mib_s: float) -> dict[str, str]:
