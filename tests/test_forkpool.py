@@ -17,6 +17,7 @@ import pytest
 
 from opguard.staging import forkpool
 from opguard.staging.ratelimit import TokenBucket
+from tests.test_sync_support import forked_workers, kill_and_check_workers_die
 
 pytestmark = pytest.mark.skipif(not forkpool.available(), reason="forkpool needs Linux and a single-threaded caller")
 
@@ -98,16 +99,8 @@ def test_workers_die_when_their_parent_is_killed(tmp_path: Path) -> None:
             "forkpool.run([0, 1], 2, job, lambda j, w: w)\n")
     p = subprocess.Popen([sys.executable, "-c", code])
     try:
-        deadline = time.monotonic() + 60
-        while not (Path(f"{ready}0").exists() and Path(f"{ready}1").exists()):  # workers inside their job
-            assert p.poll() is None and time.monotonic() < deadline, "the workers never started"
-            time.sleep(0.01)
-        workers = psutil.Process(p.pid).children()
-        assert len(workers) == 2
-        p.kill()
-        p.wait(timeout=30)
-        _gone, alive = psutil.wait_procs(workers, timeout=30)
-        assert alive == [], f"workers outlived their killed parent: {alive}"
+        workers = forked_workers(p, 2, ready=lambda: Path(f"{ready}0").exists() and Path(f"{ready}1").exists())
+        kill_and_check_workers_die(p, workers)
     finally:
         p.kill()
 

@@ -14,7 +14,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import psutil
 import pytest
 
 from opguard.errors import ConfigError
@@ -24,7 +23,7 @@ from opguard.staging.layout import Layout
 from opguard.staging.sync import stream_workers, sync_streams
 from opguard.staging.writers import write_file_atomic
 from tests.conftest import BIN
-from tests.test_sync_support import rank_dir, replay
+from tests.test_sync_support import forked_workers, kill_and_check_workers_die, rank_dir, replay
 
 
 def _fill(env: dict[str, str], ranks: int) -> dict[int, dict[str, bytes]]:
@@ -101,22 +100,11 @@ def test_a_stream_whose_worker_process_dies_is_reported_and_the_next_sync_publis
 def test_a_killed_sync_leaves_no_worker_behind(staging_env: dict[str, str]) -> None:
     _fill(staging_env, 4)
     env = {**staging_env, "OPGUARD_SYNC_MBPS": "0.25"}  # 1.3 MiB a stream: each upload takes seconds
-    p = subprocess.Popen([str(BIN / "opguard"), "sync", "--all", "-q"], env=env, stderr=subprocess.PIPE)
+    p = subprocess.Popen([str(BIN / "opguard"), "sync", "--all", "-q"], env=env, stderr=subprocess.DEVNULL)
     try:
-        deadline = time.monotonic() + 60
-        workers: list[psutil.Process] = []
-        while len(workers) < 2:  # the sync forked its stream workers (polled: no event to await here)
-            assert p.poll() is None and time.monotonic() < deadline, "no stream workers appeared"
-            workers = psutil.Process(p.pid).children()
-            time.sleep(0.01)
-        p.kill()
-        p.wait(timeout=30)
-        _, alive = psutil.wait_procs(workers, timeout=30)
-        assert alive == [], f"stream workers outlived the killed sync: {alive}"
+        kill_and_check_workers_die(p, forked_workers(p, 2))
     finally:
         p.kill()
-        if p.stderr:
-            p.stderr.close()
     r = subprocess.run([str(BIN / "opguard"), "sync", "--all", "--final", "-q"], env=staging_env,
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr  # no stream lock left held, everything resumes

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import json
 import subprocess
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+import psutil
 
 from opguard.staging.bundle import iter_entries, parse_batch_name, read_manifest, verify_batch
 from tests.conftest import BIN
@@ -75,3 +79,25 @@ def checkpoint(env: dict[str, str], stream: str = "rank-000000") -> dict[str, An
 
 def tree_of(root: Path) -> dict[str, bytes]:
     return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def forked_workers(p: subprocess.Popen[Any], n: int, ready: Callable[[], bool] = lambda: True,
+                   timeout: float = 60) -> list[psutil.Process]:
+    """The ``n`` child processes of ``p`` once they exist and ``ready()`` holds (polled: a process
+    appearing is not an event a test can await)."""
+    deadline = time.monotonic() + timeout
+    workers: list[psutil.Process] = []
+    while len(workers) < n or not ready():
+        assert p.poll() is None and time.monotonic() < deadline, f"{n} worker processes never appeared"
+        workers = psutil.Process(p.pid).children()
+        time.sleep(0.01)
+    assert len(workers) == n, workers
+    return workers
+
+
+def kill_and_check_workers_die(p: subprocess.Popen[Any], workers: list[psutil.Process]) -> None:
+    """SIGKILL ``p`` alone: its forked workers must die with it (``PR_SET_PDEATHSIG``)."""
+    p.kill()
+    p.wait(timeout=30)
+    _, alive = psutil.wait_procs(workers, timeout=30)
+    assert alive == [], f"workers outlived their killed parent: {alive}"
