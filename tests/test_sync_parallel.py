@@ -132,3 +132,24 @@ def test_processes_asked_for_where_forking_is_unsafe_is_refused_before_anything_
         stop.set()
         other.join()
     assert list(Path(staging_env["OPGUARD_LOCAL_DUMP_TARGET"]).iterdir()) == []  # not even the run identity
+
+
+def test_processes_without_a_temporary_file_for_the_mutex_is_a_clear_error_and_auto_uses_threads(
+        staging_env: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> None:
+    written = _fill(staging_env, 2)
+
+    def no_tmp() -> None:  # injected at the use site: tempfile found no usable directory
+        raise FileNotFoundError(2, "No usable temporary directory found")
+
+    monkeypatch.setattr(sync_mod.forkpool, "ProcessMutex", no_tmp)
+    streams = ["rank-000000", "rank-000001"]
+    config = StagingConfig.from_env({**staging_env, "OPGUARD_SYNC_WORKERS": "processes"})
+    with pytest.raises(ConfigError, match="temporary file for their upload mutex") as ei:
+        sync_streams(config, Layout(config), streams, node_id="node-a", workers=2)
+    assert ei.value.exit_code == 2 and "OPGUARD_SYNC_WORKERS=threads" in ei.value.fix and "TMPDIR" in ei.value.fix
+    assert not (Path(staging_env["OPGUARD_LOCAL_DUMP_TARGET"]) / ".opguard-bundles" / "streams").exists()
+    config = StagingConfig.from_env(staging_env)  # auto: threads, which need no temporary file
+    rep = sync_streams(config, Layout(config), streams, node_id="node-a", workers=2)
+    assert rep.exit_code == 0 and [s.batches for s in rep.streams] == [1, 1]
+    for r, files in written.items():
+        assert replay(staging_env, f"rank-{r:06d}") == files

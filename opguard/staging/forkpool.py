@@ -35,7 +35,7 @@ import threading
 import traceback
 from collections.abc import Callable, Sequence
 from types import TracebackType
-from typing import Any, Generic, TypeVar
+from typing import Any, TypeVar
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -152,7 +152,7 @@ def _worker(jobs: Sequence[Any], fn: Callable[[Any], Any], task_r: int, result_w
         os._exit(code)
 
 
-class _Child(Generic[T]):
+class _Child:
     def __init__(self, pid: int, task_w: int, result_r: int) -> None:
         self.pid = pid
         self.task_w: int | None = task_w
@@ -174,7 +174,7 @@ def run(jobs: Sequence[T], workers: int, fn: Callable[[T], R], lost: Callable[[T
     libc = ctypes.CDLL(None, use_errno=True)
     results: list[Any] = [_MISSING] * len(jobs)
     errors: list[tuple[BaseException, str]] = []
-    children: list[_Child[T]] = []
+    children: list[_Child] = []
     parent = os.getpid()
     for f in (sys.stdout, sys.stderr):
         f.flush()  # a buffer copied by the fork would be written twice
@@ -233,11 +233,11 @@ class _Missing:
 _MISSING = _Missing()
 
 
-def _serve(children: list[_Child[T]], jobs: Sequence[T], results: list[Any],
+def _serve(children: list[_Child], jobs: Sequence[T], results: list[Any],
            errors: list[tuple[BaseException, str]], lost: Callable[[T, str], Any]) -> None:
     nxt = 0
 
-    def give(c: _Child[T]) -> None:
+    def give(c: _Child) -> None:
         nonlocal nxt
         c.job = None
         if nxt < len(jobs) and not errors and c.task_w is not None:
@@ -284,7 +284,7 @@ def _serve(children: list[_Child[T]], jobs: Sequence[T], results: list[Any],
         sel.close()
 
 
-def _reap(c: _Child[T], jobs: Sequence[T], results: list[Any], lost: Callable[[T, str], Any]) -> None:
+def _reap(c: _Child, jobs: Sequence[T], results: list[Any], lost: Callable[[T, str], Any]) -> None:
     _, status = os.waitpid(c.pid, 0)
     c.pid = -1
     if c.job is not None and results[c.job] is _MISSING:

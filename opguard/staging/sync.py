@@ -146,8 +146,8 @@ class _Ctx:
     bucket: Bucket
     progress: Progress
     report: StreamReport
+    uploading: Any  # the sync's own uploads take turns on this (then on the node upload lock)
     zstd_threads: int = ZSTD_THREADS
-    uploading: Any = None  # the sync's own uploads take turns on this (then on the node upload lock)
     skipped_changed: bool = False
 
     @property
@@ -425,7 +425,7 @@ def _sync_one(config: StagingConfig, layout: Layout, sr: StreamReport, final: bo
     ts = time.monotonic()
     try:
         root, kind, rank = stream_root(layout, stream, node_id)
-        ctx = _Ctx(config, layout, stream, node_id, root, kind, rank, tb, say, sr, zstd_threads, uploading)
+        ctx = _Ctx(config, layout, stream, node_id, root, kind, rank, tb, say, sr, uploading, zstd_threads)
         layout.locks_dir.mkdir(parents=True, exist_ok=True)
         lock = filelock.FileLock(os.fspath(layout.stream_lock(stream)), timeout=config.lock_timeout)
         try:
@@ -505,14 +505,20 @@ def sync_streams(config: StagingConfig, layout: Layout, streams: Sequence[str], 
     zthreads = ZSTD_THREADS if n == 1 else 0
     own = tb if isinstance(tb, TokenBucket | Unlimited) else None  # one the workers can share
     forked = n > 1 and processes is not False and forkpool.available() and own is not None
-    uploading: Any = threading.Lock()
+    mutex: forkpool.ProcessMutex | None = None
     if forked:
         try:
-            uploading = forkpool.ProcessMutex()
-        except OSError:  # no temporary file for the mutex (TMPDIR unwritable): threads need none
+            mutex = forkpool.ProcessMutex()
+        except OSError as e:  # no temporary file for the mutex: threads need none
+            if processes:
+                tmpdir = os.environ.get("TMPDIR", "unset")
+                raise ConfigError(f"forked stream workers need a temporary file for their upload mutex, and "
+                                  f"creating one failed: {e.strerror or e} (TMPDIR={tmpdir})",
+                                  "point TMPDIR at a writable directory, or set OPGUARD_SYNC_WORKERS=threads") from None
             forked = False
     if processes and not forked and n > 1:
-        raise ValueError("processes=True needs Linux, a single-threaded caller, opguard's own bucket and TMPDIR")
+        raise ValueError("processes=True needs Linux, a single-threaded caller and opguard's own bucket")
+    uploading: Any = mutex if mutex is not None else threading.Lock()
 
     def one(sr: StreamReport) -> StreamReport:
         return _sync_one(config, layout, sr, final, node_id, tb, say, zthreads, uploading)
@@ -532,7 +538,7 @@ def sync_streams(config: StagingConfig, layout: Layout, streams: Sequence[str], 
             with ThreadPoolExecutor(max_workers=n, thread_name_prefix="opguard-sync") as pool:
                 list(pool.map(one, report.streams))
     finally:
-        if isinstance(uploading, forkpool.ProcessMutex):
-            uploading.close()
+        if mutex is not None:
+            mutex.close()
     report.seconds = time.monotonic() - t0
     return report
