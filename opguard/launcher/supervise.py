@@ -250,7 +250,7 @@ class Supervisor:
             self._on_conflict(res)
             return
         last = res.final and self.child_code is not None
-        published = int((res.report or {}).get("batches", 0))
+        published = res.report.batches if res.report is not None else 0
         early = res.final and not last
         if early and self.child_code is None:  # keep draining: back to back while there is new data
             now = time.monotonic()
@@ -265,7 +265,7 @@ class Supervisor:
         self.report.add_sync(res, False)
         self.conflict = res.node_id_conflict
         self.report.error = self.conflict
-        fix = (res.report or {}).get("fix")
+        fix = res.report.fix if res.report is not None else None
         self.say(f"opguard-run: error: {self.conflict}" + (f"\n  fix: {fix}" if fix else ""))
         self.final_after_exit_done = True
         self.next_sync = self.next_drain = None
@@ -491,8 +491,8 @@ class Supervisor:
         if end is None:
             self.next_countdown = now + 60.0
             return
-        from opguard.launcher.backlog import backlog_bytes
         from opguard.launcher.plan import effective_cap
+        from opguard.staging.backlog import backlog_bytes
         from opguard.staging.layout import Layout
 
         remaining = end - time.time()
@@ -506,7 +506,8 @@ class Supervisor:
             self.next_countdown = now + max(1.0, min(60.0, (remaining - needed) / 2))
 
     def _node_setup(self, env: dict[str, str]) -> None:
-        from opguard.launcher.claim import NodeIdConflict, make_claim, record_conflict, take_node_duty
+        from opguard.launcher.claim import take_node_duty
+        from opguard.staging.claim import NodeIdConflict, make_claim, record_conflict
         from opguard.staging.layout import Layout
 
         assert self.config is not None
