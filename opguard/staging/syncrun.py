@@ -16,9 +16,14 @@ import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from opguard.errors import ConfigError, OpguardError
+
+if TYPE_CHECKING:
+    from opguard.staging.config import StagingConfig
+    from opguard.staging.layout import Layout
+    from opguard.staging.sync import SyncReport
 
 MODULE = "opguard.staging.syncrun"
 
@@ -134,14 +139,58 @@ def _error(msg: str) -> None:
     sys.stderr.flush()
 
 
+def _streams(req: SyncRequest, config: StagingConfig, layout: Layout, node_id: str) -> list[str]:
+    """The streams a request names (``--all``: every rank staged here plus the node stream)."""
+    from opguard.staging.layout import current_rank, node_stream, rank_stream
+    from opguard.staging.sync import all_streams
+
+    if req.all and (req.ranks or req.node):
+        raise ConfigError("--all already includes every rank and the node stream",
+                          "use --all alone, or --rank/--node")
+    if any(r < 0 for r in req.ranks):
+        raise ConfigError(f"--rank {min(req.ranks)} is negative", "pass a global rank >= 0")
+    if req.all:
+        return all_streams(config, layout, node_id)
+    streams = [rank_stream(r) for r in dict.fromkeys(req.ranks)]
+    if not req.ranks and not req.node:
+        streams = [rank_stream(current_rank())]
+    if req.node:
+        streams.append(node_stream(node_id))
+    return streams
+
+
+def _print(report: SyncReport, req: SyncRequest, say: Callable[[str], None], error: Callable[[str], None]) -> None:
+    """What ``opguard sync`` prints: every error, a line per stream (``--verbose``), the summary."""
+    from opguard.staging.units import format_bytes
+
+    if report.error and not report.streams:
+        error(report.error)
+    for s in report.streams:
+        if s.error:
+            error(f"{s.stream}: {s.error}")
+        elif req.verbose and not req.quiet:
+            say(f"{s.stream}: {s.batches} batch(es), {format_bytes(s.payload_bytes)} payload, "
+                f"{format_bytes(s.uploaded_bytes)} uploaded, backlog {format_bytes(s.backlog_bytes)}"
+                + (", sealed" if s.sealed else ""))
+    if req.quiet:
+        return
+    rate = report.uploaded_bytes / report.seconds if report.seconds > 0 else 0.0
+    failed = sum(1 for s in report.streams if s.error)
+    say(f"{'final: ' if req.final else ''}{len(report.streams)} stream(s), {report.batches} batch(es), "
+        f"{format_bytes(report.payload_bytes)} payload, {format_bytes(report.uploaded_bytes)} uploaded in "
+        f"{report.seconds:.2f} s ({format_bytes(rate)}/s), backlog {format_bytes(report.backlog_bytes)}"
+        + (f", {failed} failed" if failed else "")
+        + (f", {sum(1 for s in report.streams if s.sealed)} sealed" if req.final else ""))
+
+
 def run(req: SyncRequest, say: Callable[[str], None] = _say, error: Callable[[str], None] = _error) -> int:
-    """One sync; returns its exit status. Raises ConfigError for a bad request or environment."""
+    """One sync; returns its exit status. Raises ConfigError for a bad request or environment, and
+    for a node ID conflict (after writing its report: ``node_id_conflict``, nothing uploaded)."""
     from opguard.staging.claim import sync_conflict
     from opguard.staging.config import StagingConfig
     from opguard.staging.fsutil import atomic_replace_json
-    from opguard.staging.layout import Layout, current_node_id, current_rank, node_stream, rank_stream
-    from opguard.staging.sync import all_streams, sync_streams
-    from opguard.staging.units import format_bytes
+    from opguard.staging.layout import Layout, current_node_id
+    from opguard.staging.sync import sync_streams
 
     config = StagingConfig.from_env()
     config.require_staging()
@@ -153,19 +202,7 @@ def run(req: SyncRequest, say: Callable[[str], None] = _say, error: Callable[[st
             if req.report_json is not None:
                 atomic_replace_json(req.report_json.absolute(), _conflict_report(conflict))
             raise conflict
-    if req.all and (req.ranks or req.node):
-        raise ConfigError("--all already includes every rank and the node stream",
-                          "use --all alone, or --rank/--node")
-    if any(r < 0 for r in req.ranks):
-        raise ConfigError(f"--rank {min(req.ranks)} is negative", "pass a global rank >= 0")
-    if req.all:
-        streams = all_streams(config, layout, node_id)
-    else:
-        streams = [rank_stream(r) for r in dict.fromkeys(req.ranks)]
-        if not req.ranks and not req.node:
-            streams = [rank_stream(current_rank())]
-        if req.node:
-            streams.append(node_stream(node_id))
+    streams = _streams(req, config, layout, node_id)
     loud = (req.final or req.verbose) and not req.quiet
 
     def progress(msg: str) -> None:
@@ -175,23 +212,7 @@ def run(req: SyncRequest, say: Callable[[str], None] = _say, error: Callable[[st
     report = sync_streams(config, layout, streams, final=req.final, node_id=node_id, progress=progress)
     if req.report_json is not None:
         atomic_replace_json(req.report_json.absolute(), report.to_json())
-    if report.error and not report.streams:
-        error(report.error)
-    for s in report.streams:
-        if s.error:
-            error(f"{s.stream}: {s.error}")
-        elif req.verbose and not req.quiet:
-            say(f"{s.stream}: {s.batches} batch(es), {format_bytes(s.payload_bytes)} payload, "
-                f"{format_bytes(s.uploaded_bytes)} uploaded, backlog {format_bytes(s.backlog_bytes)}"
-                + (", sealed" if s.sealed else ""))
-    if not req.quiet:
-        rate = report.uploaded_bytes / report.seconds if report.seconds > 0 else 0.0
-        failed = sum(1 for s in report.streams if s.error)
-        say(f"{'final: ' if req.final else ''}{len(report.streams)} stream(s), {report.batches} batch(es), "
-            f"{format_bytes(report.payload_bytes)} payload, {format_bytes(report.uploaded_bytes)} uploaded in "
-            f"{report.seconds:.2f} s ({format_bytes(rate)}/s), backlog {format_bytes(report.backlog_bytes)}"
-            + (f", {failed} failed" if failed else "")
-            + (f", {sum(1 for s in report.streams if s.sealed)} sealed" if req.final else ""))
+    _print(report, req, say, error)
     return report.exit_code
 
 
