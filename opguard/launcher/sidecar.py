@@ -1,53 +1,37 @@
 """Syncs as child processes of the wrapper: ``opguard sync ...`` at low CPU and I/O priority.
 
 Never inside the training processes and never importing torch: each sync is a separate
-``python -c 'opguard.cli.main()' sync ...`` process. One sync at a time per wrapper; a failed
-sync is reported on stderr and retried at the next interval, never fatal to the job.
+``python -m opguard.staging.syncrun ...`` process (staging's entry point: the node-claim check runs
+inside it, its report comes back typed). One sync at a time per wrapper; a failed sync is reported
+on stderr and retried at the next interval, never fatal to the job.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-import json
 import os
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import psutil
 
 from opguard.launcher.identity import Identity
+from opguard.staging.syncrun import SyncOutcome, SyncRequest, module_command
 from opguard.staging.units import format_bytes
 
-# claim.check_before_sync takes the wrapper's start time (argv[1]) and stops on a node ID conflict
-_ENTRY = ("import sys; from opguard.launcher.claim import check_before_sync; check_before_sync(sys.argv); "
-          "sys.argv[0] = 'opguard'; from opguard.cli import main; main()")
 
-
-def sync_argv(identity: Identity, final: bool, report: Path, started_at: float = 0.0) -> list[str]:
-    """The ``opguard sync`` command for the streams this wrapper owns (``started_at``: the wrapper's
-    start, wall clock, for the conflict check)."""
-    args = [sys.executable, "-c", _ENTRY, repr(started_at), "sync"]
+def sync_request(identity: Identity, final: bool, report: Path, started_at: float = 0.0) -> SyncRequest:
+    """The sync of the streams this wrapper owns (``started_at``: the wrapper's start, wall clock, for
+    the conflict check). A final drain is not quiet: its per-batch lines become the drain's progress."""
     ranks = identity.owned_ranks()
-    if ranks is None:
-        args.append("--all")
-    else:
-        for r in ranks:
-            args += ["--rank", str(r)]
-        if identity.node_duty:
-            args.append("--node")
-    if final:
-        args.append("--final")  # not quiet: its per-batch lines become the drain's progress lines
-    args += ["--report-json", str(report)]
-    if not final:
-        args.append("--quiet")
-    return args
+    return SyncRequest(ranks=() if ranks is None else tuple(ranks), node=ranks is not None and identity.node_duty,
+                       all=ranks is None, final=final, since=started_at, report_json=report, quiet=not final)
 
 
 # Signals a sync ignores (SIG_IGN survives exec). Slurm (proctrack linuxproc/cgroup) and srun deliver
@@ -80,13 +64,13 @@ def lower_priority(pid: int) -> None:
 
 @dataclass
 class SyncResult:
-    """One finished sync: exit status, the sync's own JSON report (if written) and its stderr tail."""
+    """One finished sync: exit status, the sync's own report (if written) and its stderr tail."""
 
     number: int
     final: bool
     exit_code: int
     seconds: float
-    report: dict[str, Any] | None
+    report: SyncOutcome | None
     stderr_tail: str
 
     @property
@@ -95,25 +79,25 @@ class SyncResult:
 
     @property
     def node_id_conflict(self) -> str | None:
-        """The conflict a sync found before uploading (``claim.check_before_sync``), if any."""
-        c = (self.report or {}).get("node_id_conflict")
-        return str(c) if c else None
+        """The conflict a sync found before uploading (``staging.claim.sync_conflict``), if any."""
+        return self.report.node_id_conflict if self.report is not None else None
 
     def line(self, kind: str | None = None) -> str:
         """The one stderr line per sync (``kind`` names it, default: final drain or sync #n)."""
         kind = kind or ("final drain" if self.final else f"sync #{self.number}")
-        r = self.report or {}
-        batches = int(r.get("batches", 0))
-        up = float(r.get("uploaded_bytes", 0))
-        backlog = float(r.get("backlog_bytes", 0))
+        r = self.report
+        batches = r.batches if r else 0
+        up = float(r.uploaded_bytes) if r else 0.0
+        backlog = float(r.backlog_bytes) if r else 0.0
+        streams = r.streams if r else ()
         rate = up / self.seconds if self.seconds > 0 else 0.0
         head = (f"opguard-run: {kind} {'ok' if self.ok else f'FAILED (exit {self.exit_code})'}: {batches} batch(es), "
                 f"{format_bytes(up)} in {self.seconds:.1f} s ({format_bytes(rate)}/s), backlog {format_bytes(backlog)}")
         if self.final and self.ok:
-            sealed = sum(1 for s in r.get("streams", []) if s.get("sealed"))
+            sealed = sum(1 for s in streams if s.sealed)
             head += f", {sealed} stream(s) sealed"
         if not self.ok:
-            errors = [s.get("error") for s in r.get("streams", []) if s.get("error")]
+            errors = [s.error for s in streams if s.error]
             why = (errors[0] if errors else self.stderr_tail.strip().splitlines()[-1:] or ["no output"])
             why_s = why if isinstance(why, str) else " ".join(why)
             head += f"; {why_s.splitlines()[0]}" + ("" if self.final else "; retrying at the next interval")
@@ -164,9 +148,10 @@ class Sidecar:
         report = Path(tempfile.mkstemp(prefix=f"sync-{self.count}-", suffix=".json", dir=self.workdir)[1])
         report.unlink()
         errpath = self.workdir / f"sync-{self.count}.stderr"
-        argv = sync_argv(self.identity, final, report, self.started_at)
+        req = sync_request(self.identity, final, report, self.started_at)
+        argv = module_command(req)
         if self.verbose:
-            self.say("opguard-run: starting " + " ".join(argv[4:]))
+            self.say("opguard-run: starting sync " + " ".join(dataclasses.replace(req, since=None).argv()))
         with open(errpath, "wb") as err:
             proc = subprocess.Popen(argv, env=self.env, stdin=subprocess.DEVNULL, stdout=err, stderr=err,
                                     start_new_session=True,
@@ -188,10 +173,7 @@ class Sidecar:
     def _collect(self, r: RunningSync) -> SyncResult:
         code = r.proc.returncode
         code = 128 - code if code < 0 else code
-        try:
-            report = json.loads(r.report_path.read_bytes())
-        except (OSError, ValueError):
-            report = None
+        report = SyncOutcome.read(r.report_path)
         try:
             tail = r.stderr_path.read_bytes()[-4000:].decode(errors="replace")
         except OSError:

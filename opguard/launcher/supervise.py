@@ -1,8 +1,10 @@
 """Run the child: own process group, signal forwarding, periodic syncs, final drain, exit code.
 
-One single-threaded event loop waits (``selectors``) on the child's pidfd, the running sync's
-pidfd and a signal wake-up pipe, with timers for the next periodic sync, the scheduler
-countdown, the tree refresh and the kill deadline. Facts it is built on (see
+One single-threaded event loop (:class:`Supervisor`) waits (``selectors``) on the child's pidfd,
+the running sync's pidfd and a signal wake-up pipe, or the earliest deadline of one timer table
+(:class:`Timers`), and moves through explicit phases (:class:`Phase`: starting, running,
+draining, exited, done). When syncs run is the :class:`SyncScheduler`'s decision; the command's
+process tree is the :class:`TreeWatcher`'s. The signal handlers are restored on every way out. Facts it is built on (see
 ``../shared/recipes/slurm-in-namespaces/README.md``): Slurm signals only what srun started and
 SIGKILLs after KillWait; torchrun exits 1 on SIGTERM, dies on SIGUSR1 and orphans workers that
 run in their own session. Hence: forward to the child's process group, start the final drain
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import enum
 import functools
 import os
 import selectors
@@ -93,8 +96,49 @@ def exit_status(returncode: int) -> int:
     return 128 - returncode if returncode < 0 else returncode
 
 
+class Phase(enum.Enum):
+    """Where the wrapper is. Every state flag of the loop follows from the phase and the timers."""
+
+    STARTING = "starting"  # node setup, signal handlers; the command has not started
+    RUNNING = "running"  # the command runs; periodic syncs on the node's staggered schedule
+    DRAINING = "draining"  # the command runs after a drain request: final drains back to back
+    EXITED = "exited"  # the command exited: the last final drain, the leftovers of its tree
+    DONE = "done"  # nothing runs any more: the report and the exit status
+
+
+class Timers:
+    """The one table of the event loop's deadlines (``time.monotonic()`` seconds; None: not armed).
+
+    ``sync`` the next periodic sync, ``drain`` the next back-to-back drain, ``settle`` no sync before
+    (node ID conflict markers, ``LAUNCH_SKEW_S``), ``countdown`` the next end-time query, ``progress``
+    the next drain progress relay, ``tree`` the next process-tree snapshot, ``kill`` the SIGKILL after
+    the grace, ``drain_deadline`` ``--drain-timeout``."""
+
+    NAMES = ("sync", "drain", "settle", "countdown", "progress", "tree", "kill", "drain_deadline")
+
+    def __init__(self) -> None:
+        self._at: dict[str, float | None] = dict.fromkeys(self.NAMES)
+
+    def __getitem__(self, name: str) -> float | None:
+        return self._at[name]
+
+    def __setitem__(self, name: str, when: float | None) -> None:
+        if name not in self._at:
+            raise KeyError(name)
+        self._at[name] = when
+
+    def due(self, name: str, now: float) -> bool:
+        t = self._at[name]
+        return t is not None and now >= t
+
+    def timeout(self, now: float, names: list[str]) -> float | None:
+        """How long the loop may wait: until the earliest of ``names`` that is armed."""
+        armed = [t for t in (self._at[n] for n in names) if t is not None]
+        return max(0.0, min(armed) - now) if armed else None
+
+
 @dataclass
-class Tree:
+class ProcessTree:
     """Every descendant of the wrapper seen so far (pid, create time), except its syncs."""
 
     seen: dict[int, float] = field(default_factory=dict)
@@ -141,34 +185,181 @@ class Tree:
         return n
 
 
+class TreeWatcher:
+    """The command's process tree (the wrapper is its subreaper, so orphans stay in it): snapshots
+    while it runs, close watch after it exited, its leftovers terminated and, after the grace
+    (``kill`` timer), killed."""
+
+    def __init__(self, timers: Timers, grace: float, say: Callable[[str], None], report: RunReport,
+                 sync_pid: Callable[[], int | None]) -> None:
+        self.timers, self.grace, self.say, self.report, self.sync_pid = timers, grace, say, report, sync_pid
+        self.tree = ProcessTree()
+        self.killed = False
+
+    def _exclude(self) -> set[int]:
+        pid = self.sync_pid()
+        return {pid} if pid else set()
+
+    def step(self, now: float, child_exited: bool) -> None:
+        if not self.timers.due("tree", now):
+            return
+        self.tree.refresh(self._exclude())
+        # after the command exited, leftovers are watched closely (orphans give no pidfd)
+        self.timers["tree"] = now + (0.2 if child_exited else TREE_REFRESH_S)
+        if child_exited:
+            self.tree.alive()
+
+    def on_child_exit(self, now: float) -> None:
+        self.tree.refresh(self._exclude())
+        left = self.tree.alive()
+        if left:
+            self.say(f"opguard-run: the child exited; terminating {len(left)} process(es) left in its tree "
+                     f"(pids {', '.join(str(p.pid) for p in left[:8])}), SIGKILL after {self.grace:g} s")
+            self.tree.signal_all(signal.SIGTERM)
+            self.timers["kill"] = now + self.grace
+        elif not self.killed:
+            self.timers["kill"] = None
+
+    def kill(self, child: subprocess.Popen[bytes], child_running: bool) -> None:
+        """The grace is over: SIGKILL to the command's process group and every process of its tree."""
+        self.timers["kill"] = None
+        self.tree.refresh(self._exclude())
+        if child_running:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(child.pid, signal.SIGKILL)
+        n = self.tree.signal_all(signal.SIGKILL)
+        if n or child_running:
+            self.killed = True
+            self.report.killed = True
+            self.say(f"opguard-run: grace of {self.grace:g} s over: SIGKILL to the child's tree ({n} process(es))")
+
+    def cleanup(self, child: subprocess.Popen[bytes] | None) -> None:
+        """On every way out of the loop: nothing of the command's tree survives the wrapper."""
+        if child is not None and child.poll() is None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(child.pid, signal.SIGKILL)
+            child.wait()
+        if self.tree.alive():
+            self.tree.signal_all(signal.SIGKILL)
+            deadline = time.monotonic() + 5
+            while self.tree.alive() and time.monotonic() < deadline:
+                time.sleep(0.05)
+
+
+class SyncScheduler:
+    """When syncs run (``docs/launcher.md`` §3), one at a time: periodic syncs on the node's staggered
+    wall-clock schedule (``sync`` timer), none before the settle time (``settle``); after a drain
+    request, final drains back to back while the command runs (``drain``); after the command exits,
+    the last final drain. A sync that reports a node ID conflict stops all of it."""
+
+    def __init__(self, sidecar: Sidecar, timers: Timers, interval: float, phase_s: float, opts: Options,
+                 say: Callable[[str], None], report: RunReport, before_drain: Callable[[], None]) -> None:
+        self.sidecar, self.timers, self.interval, self.phase_s = sidecar, timers, interval, phase_s
+        self.opts, self.say, self.report, self.before_drain = opts, say, report, before_drain
+        self.drain_requested: str | None = None  # why the final drain started
+        self.last_drain_started = False  # the final drain after the command exited (or none: a conflict)
+        self.conflict: str | None = None  # a node ID conflict found by a sync: stop, exit 2
+
+    def schedule_first(self, now: float) -> None:
+        """The staggered schedule starts after the settle time, so the stagger between nodes stays whole:
+        node k of N syncs at phase k/N of the interval on the wall clock (shifted per run)."""
+        settle_at = self.timers["settle"]
+        settle = max(0.0, settle_at - now) if settle_at is not None else 0.0
+        wall = time.time()
+        self.timers["sync"] = now + next_slot(wall + settle, self.phase_s, self.interval) - wall
+
+    def request_drain(self, why: str, child_exited: bool) -> bool:
+        """True when this request started the draining (the first one)."""
+        if self.drain_requested is not None:
+            return False
+        self.drain_requested = why
+        self.say(f"opguard-run: final drain requested ({why})")
+        self.maybe_start(time.monotonic(), child_exited)
+        return True
+
+    def maybe_start(self, now: float, child_exited: bool) -> None:
+        sc, t = self.sidecar, self.timers
+        if sc.running is not None or self.conflict is not None:
+            return
+        settle = t["settle"]
+        if settle is not None and now < settle:
+            return
+        if child_exited:
+            if not self.last_drain_started:
+                self.last_drain_started = True
+                self.before_drain()
+                sc.start(final=True)
+            return
+        if self.drain_requested is not None:
+            if t["drain"] is None or t.due("drain", now):
+                t["drain"] = None
+                self.before_drain()
+                sc.start(final=True)
+            return
+        if t.due("sync", now):
+            sc.start(final=False)
+            wall = time.time()  # the next slot of this node's wall-clock schedule (see schedule.next_slot)
+            t["sync"] = now + next_slot(wall + 1e-3, self.phase_s, self.interval) - wall
+
+    def on_done(self, res: SyncResult, child_exited: bool) -> None:
+        if res.node_id_conflict is not None:
+            self._on_conflict(res)
+            return
+        last = res.final and child_exited
+        published = res.report.batches if res.report is not None else 0
+        early = res.final and not last
+        if early and not child_exited:  # keep draining: back to back while there is new data
+            now = time.monotonic()
+            self.timers["drain"] = now if res.ok and published else now + (DRAIN_PAUSE_S if res.ok else DRAIN_RETRY_S)
+        quiet_drain = early and res.ok and not published and not self.opts.verbose  # an idle rescan
+        if (not self.opts.quiet or not res.ok or last) and not quiet_drain:
+            self.say(res.line(f"drain #{res.number} (the command still runs)" if early else None))
+        self.report.add_sync(res, last)
+
+    def _on_conflict(self, res: SyncResult) -> None:
+        """Another machine uses this node ID: no more syncs (the supervisor stops the command)."""
+        self.report.add_sync(res, False)
+        self.conflict = res.node_id_conflict
+        self.report.error = self.conflict
+        fix = res.report.fix if res.report is not None else None
+        self.say(f"opguard-run: error: {self.conflict}" + (f"\n  fix: {fix}" if fix else ""))
+        self.last_drain_started = True
+        self.timers["sync"] = self.timers["drain"] = None
+
+    def done(self) -> bool:
+        return self.sidecar.running is None and self.last_drain_started
+
+
 class Supervisor:
+    """The event loop: explicit phases (:class:`Phase`), one timer table (:class:`Timers`), the sync
+    scheduler and the process-tree watcher; signal handlers restored on every way out of :meth:`run`."""
+
     def __init__(self, cmd: list[str], pf: Preflight, opts: Options, say: Callable[[str], None]) -> None:
         self.cmd, self.pf, self.opts, self.say = cmd, pf, opts, say
         self.identity = pf.identity
         self.config = pf.config
         self.staging = bool(self.config and self.config.enabled)
+        self.phase = Phase.STARTING
+        self.timers = Timers()
         self.pending_signals: list[int] = []
         self.received: list[dict[str, Any]] = []
-        self.tree = Tree()
         self.report = RunReport(cmd, self.identity.as_dict())
+        self.watcher = TreeWatcher(self.timers, opts.kill_grace, say, self.report,
+                                   lambda: self.sidecar.pid if self.sidecar is not None else None)
         self.child: subprocess.Popen[bytes] | None = None
         self.child_code: int | None = None
-        self.kill_at: float | None = None
-        self.killed = False
-        self.drain_requested: str | None = None  # why the final drain started
-        self.final_after_exit_done = False
-        self.next_drain: float | None = None  # after an early drain request: when the next drain starts
-        self.settle_until: float | None = None  # no sync before (node ID conflict markers, see LAUNCH_SKEW_S)
-        self.conflict: str | None = None  # a node ID conflict found by a sync: stop, exit 2
         self.started_at = _process_start()
-        self.next_sync: float | None = None
-        self.sync_phase = 0.0  # wall-clock phase of this node's periodic syncs within the interval
-        self.next_countdown: float | None = None
         self._end_query: threading.Thread | None = None
         self._end_answer: tuple[float | None] | None = None
         self._wake_w = -1
+        self._sync_fd: int | None = None
         self.sidecar: Sidecar | None = None
+        self.syncs: SyncScheduler | None = None
         self.workdir = Path(tempfile.mkdtemp(prefix="opguard-run-"))
+
+    @property
+    def conflict(self) -> str | None:
+        return self.syncs.conflict if self.syncs is not None else None
 
     # ---- signals ---------------------------------------------------------------------------
     def _handler(self, signum: int, _frame: FrameType | None) -> None:
@@ -185,6 +376,16 @@ class Supervisor:
         old = [(int(s), signal.signal(s, self._handler)) for s in sigs]
         return r, old
 
+    def restore(self, wake_r: int, old: list[tuple[int, Any]]) -> None:
+        """Undo :meth:`install`: the previous handlers, no wake-up fd, the pipe closed."""
+        for signum, handler in old:
+            signal.signal(signum, handler)
+        signal.set_wakeup_fd(-1)
+        for fd in (wake_r, self._wake_w):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self._wake_w = -1
+
     def handle_signal(self, signum: int, now: float) -> None:
         name = signal.Signals(signum).name
         forwarded = False
@@ -198,147 +399,120 @@ class Supervisor:
                 forwarded = True
         self.received.append({"signal": name, "at": time.time(), "forwarded": forwarded})
         if self.opts.verbose or not self.opts.quiet:
-            if forwarded:
-                what = "forwarded to the child's process group"
-            elif wanted:
-                what = "the child already exited"
-            else:
-                what = "consumed (--forward-warning forwards it)" if is_warning else "not forwarded (--forward-signals)"
-            self.say(f"opguard-run: received {name}: {what}")
-        if signum == signal.SIGTERM and forwarded and self.kill_at is None:
-            self.kill_at = now + self.opts.kill_grace
+            self.say(f"opguard-run: received {name}: {_signal_outcome(forwarded, wanted, is_warning)}")
+        if signum == signal.SIGTERM and forwarded and self.timers["kill"] is None:
+            self.timers["kill"] = now + self.opts.kill_grace
         if signum == signal.SIGTERM or is_warning:
             self.request_drain("SIGTERM" if signum == signal.SIGTERM else f"warning signal {name}")
 
     # ---- drain -------------------------------------------------------------------------------
     def request_drain(self, why: str) -> None:
-        if not self.staging or self.drain_requested is not None:
+        if self.syncs is None:  # staging disabled (a request comes only once the command runs)
             return
-        self.drain_requested = why
-        self.say(f"opguard-run: final drain requested ({why})")
-        self._maybe_start_sync(time.monotonic())
+        if self.syncs.request_drain(why, self.child_code is not None) and self.phase is Phase.RUNNING:
+            self.phase = Phase.DRAINING
 
-    def _maybe_start_sync(self, now: float) -> None:
-        """One sync at a time: the last final drain after the child exits; once a drain was
-        requested early, drains back to back while the child runs (paused only after one that found
-        nothing new); otherwise periodic syncs on the staggered schedule."""
-        sc = self.sidecar
-        if sc is None or sc.running is not None or self.conflict is not None:
-            return
-        if self.settle_until is not None and now < self.settle_until:
-            return
-        if self.child_code is not None:
-            if not self.final_after_exit_done:
-                self.final_after_exit_done = True
-                self._capture_sources()
-                sc.start(final=True)
-            return
-        if self.drain_requested is not None:
-            if self.next_drain is None or now >= self.next_drain:
-                self.next_drain = None
-                self._capture_sources()
-                sc.start(final=True)
-            return
-        if self.next_sync is not None and now >= self.next_sync:
-            assert self.config is not None
-            sc.start(final=False)
-            wall = time.time()  # the next slot of this node's wall-clock schedule (see schedule.next_slot)
-            self.next_sync = now + next_slot(wall + 1e-3, self.sync_phase, self.config.sync_interval) - wall
-
-    def on_sync_done(self, res: SyncResult) -> None:
-        if res.node_id_conflict is not None:
-            self._on_conflict(res)
-            return
-        last = res.final and self.child_code is not None
-        published = int((res.report or {}).get("batches", 0))
-        early = res.final and not last
-        if early and self.child_code is None:  # keep draining: back to back while there is new data
-            now = time.monotonic()
-            self.next_drain = now if res.ok and published else now + (DRAIN_PAUSE_S if res.ok else DRAIN_RETRY_S)
-        quiet_drain = early and res.ok and not published and not self.opts.verbose  # an idle rescan
-        if (not self.opts.quiet or not res.ok or last) and not quiet_drain:
-            self.say(res.line(f"drain #{res.number} (the command still runs)" if early else None))
-        self.report.add_sync(res, last)
-
-    def _on_conflict(self, res: SyncResult) -> None:
-        """Another machine uses this node ID: no more syncs, the command is stopped, exit 2."""
-        self.report.add_sync(res, False)
-        self.conflict = res.node_id_conflict
-        self.report.error = self.conflict
-        fix = (res.report or {}).get("fix")
-        self.say(f"opguard-run: error: {self.conflict}" + (f"\n  fix: {fix}" if fix else ""))
-        self.final_after_exit_done = True
-        self.next_sync = self.next_drain = None
-        if self.child is not None and self.child_code is None:
+    def _on_sync_done(self, res: SyncResult) -> None:
+        assert self.syncs is not None
+        self.syncs.on_done(res, self.child_code is not None)
+        if res.node_id_conflict is not None and self.child is not None and self.child_code is None:
             self.say(f"opguard-run: terminating the command (SIGTERM to its process group, SIGKILL after "
                      f"{self.opts.kill_grace:g} s); the job is misconfigured")
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(self.child.pid, signal.SIGTERM)
-            if self.kill_at is None:
-                self.kill_at = time.monotonic() + self.opts.kill_grace
+            if self.timers["kill"] is None:
+                self.timers["kill"] = time.monotonic() + self.opts.kill_grace
 
-    # ---- main loop ---------------------------------------------------------------------------
+    # ---- phases ------------------------------------------------------------------------------
     def run(self) -> int:
-        opts = self.opts
-        env = dict(os.environ)
-        env.update(self.identity.exports())
-        if opts.child_env:
-            env.update(opts.child_env)
+        env = self._child_env()
         if self.staging:
             self._node_setup(env)
         _prctl(PR_SET_CHILD_SUBREAPER, 1)
         wake_r, old = self.install()
-        self.pending_signals.extend(opts.early_signals or [])  # a warning that came during preflight
-        sel = selectors.DefaultSelector()
-        sel.register(wake_r, selectors.EVENT_READ, "signal")
+        try:
+            self.pending_signals.extend(self.opts.early_signals or [])  # a warning that came during preflight
+            code = self._start(env)
+            if code is not None:
+                return code  # the command could not start (the handlers are restored below)
+            self._loop(wake_r)
+        finally:
+            self.restore(wake_r, old)
+            if self.sidecar is not None and self.sidecar.running is not None:
+                res = self.sidecar.stop()
+                if res is not None:
+                    self.report.add_sync(res, res.final)
+            self.watcher.cleanup(self.child)
+            self.phase = Phase.DONE
+        assert self.child_code is not None
+        return self._finish()
+
+    def _child_env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update(self.identity.exports())
+        if self.opts.child_env:
+            env.update(self.opts.child_env)
+        return env
+
+    def _start(self, env: dict[str, str]) -> int | None:
+        """STARTING -> RUNNING: the command in its own session, then the syncs' scheduler and the node
+        metadata. Returns the exit status when the command cannot start."""
         try:
             # close_fds=False: a wrapper passes inherited descriptors through (Hydra's PMI_FD, srun's
             # PMI sockets); its own pipes and pidfds are close-on-exec.
+            opts = self.opts
             ignore = (opts.warning,) if opts.warning is not None and not opts.forward_warning else ()
             self.child = subprocess.Popen(self.cmd, env=env, start_new_session=True, close_fds=False,
                                           preexec_fn=functools.partial(_child_preexec, ignore))
         except OSError as e:
             self.say(f"opguard-run: cannot start {self.cmd[0]!r}: {e.strerror or e}")
             return 127 if isinstance(e, FileNotFoundError) else 126
+        self.phase = Phase.RUNNING
         self.report.child_pid = self.child.pid
-        self.tree.protected.add(self.child.pid)
-        child_fd = os.pidfd_open(self.child.pid)
-        sel.register(child_fd, selectors.EVENT_READ, "child")
+        self.watcher.tree.protected.add(self.child.pid)
         if self.staging:
-            self._start_sidecar(env)
+            self._start_syncs(env)
         if self.staging and self.identity.node_duty:
             self._node_metadata(env)
         now = time.monotonic()
-        if self.staging:
-            assert self.config is not None
-            # the staggered schedule starts after the settle time, so the stagger between nodes stays whole
-            settle = max(0.0, self.settle_until - now) if self.settle_until is not None else 0.0
-            interval = self.config.sync_interval
-            # node k of N syncs at phase k/N of the interval on the wall clock (shifted per run), so the
-            # stagger holds whatever each wrapper's start-up and settle time were
-            from opguard.launcher.plan import stagger
+        if self.syncs is not None:
+            self.syncs.schedule_first(now)
+            if self.opts.countdown and countdown.job_id(os.environ):
+                self.timers["countdown"] = now
+        self.timers["tree"] = now + TREE_REFRESH_S  # at t=0 the tree is the command itself
+        return None
 
-            self.sync_phase = (stagger(self.identity, interval)
-                               + run_phase_shift(self.config.run_id or "", interval)) % interval
-            wall = time.time()
-            self.next_sync = now + next_slot(wall + settle, self.sync_phase, interval) - wall
-            if opts.countdown and countdown.job_id(os.environ):
-                self.next_countdown = now
-        sync_fd: int | None = None
-        next_tree = now + TREE_REFRESH_S  # at t=0 the tree is the command itself
-        drain_deadline: float | None = None
+    def _wakeups(self, now: float) -> list[str]:
+        """The timers the loop waits for in this phase."""
+        running = self.phase in (Phase.RUNNING, Phase.DRAINING)
+        names = ["kill", "drain_deadline", "progress"]
+        if self.phase is Phase.RUNNING:
+            names.append("sync")
+        if self.phase is Phase.DRAINING:
+            names.append("drain")
+        if running:
+            names.append("countdown")
+        settle = self.timers["settle"]
+        if settle is not None and settle > now:
+            names.append("settle")
+        if running or self.watcher.tree.seen:
+            names.append("tree")
+        return names
+
+    def _loop(self, wake_r: int) -> None:
+        """RUNNING/DRAINING -> EXITED -> (the loop ends): wait on the signal pipe, the command's pidfd
+        and the running sync's pidfd, or the earliest timer; then handle what is due."""
+        assert self.child is not None
+        t = self.timers
+        sel = selectors.DefaultSelector()
+        sel.register(wake_r, selectors.EVENT_READ, "signal")
+        child_fd = os.pidfd_open(self.child.pid)
+        sel.register(child_fd, selectors.EVENT_READ, "child")
         try:
             while True:
                 now = time.monotonic()
-                progress = now + DRAIN_PROGRESS_S if self._draining() else None
-                timers = [t for t in (self.next_sync if self.child_code is None and self.drain_requested is None
-                                      else None, self.next_drain if self.child_code is None else None,
-                                      self.next_countdown, self.settle_until if self.settle_until is not None
-                                      and self.settle_until > now else None,
-                                      progress, next_tree if self.child_code is None or self.tree.seen else None,
-                                      self.kill_at, drain_deadline) if t is not None]
-                timeout = max(0.0, min(timers) - now) if timers else None
-                for key, _ in sel.select(timeout):
+                t["progress"] = now + DRAIN_PROGRESS_S if self._draining() else None
+                for key, _ in sel.select(t.timeout(now, self._wakeups(now))):
                     if key.data == "signal":
                         with contextlib.suppress(BlockingIOError):
                             while os.read(wake_r, 512):
@@ -353,58 +527,53 @@ class Supervisor:
                     self._on_child_exit(now)
                     sel.unregister(child_fd)
                     os.close(child_fd)
-                    if opts.drain_timeout is not None and self.staging:
-                        drain_deadline = now + opts.drain_timeout
-                if now >= next_tree:
-                    self.tree.refresh({self.sidecar.pid} if self.sidecar and self.sidecar.pid else set())
-                    # after the command exited, leftovers are watched closely (orphans give no pidfd)
-                    next_tree = now + (TREE_REFRESH_S if self.child_code is None else 0.2)
-                    if self.child_code is not None:
-                        self.tree.alive()
-                if self.kill_at is not None and now >= self.kill_at:
-                    self._kill_tree()
-                if self.next_countdown is not None and now >= self.next_countdown and self.child_code is None:
+                    child_fd = -1
+                self.watcher.step(now, self.child_code is not None)
+                if t.due("kill", now):
+                    self.watcher.kill(self.child, self.child_code is None)
+                if t.due("countdown", now) and self.child_code is None:
                     self._countdown(now)
-                if self.sidecar is not None:
-                    self._relay_drain_progress()
-                    if self.sidecar.running is not None and self.sidecar.running.proc.poll() is not None:
-                        self._relay_drain_progress()  # its last lines, before the result line
-                    res = self.sidecar.poll()
-                    if res is not None:
-                        if sync_fd is not None:
-                            sel.unregister(sync_fd)
-                            os.close(sync_fd)
-                            sync_fd = None
-                        self.on_sync_done(res)
-                    if drain_deadline is not None and now >= drain_deadline and self.sidecar.running:
-                        self.say(f"opguard-run: final drain exceeded --drain-timeout={opts.drain_timeout:g} s; "
-                                 "stopping it (resume with: opguard sync --all --final)")
-                        res = self.sidecar.stop()
-                        if res is not None:
-                            self.on_sync_done(res)
-                        if sync_fd is not None:
-                            sel.unregister(sync_fd)
-                            os.close(sync_fd)
-                            sync_fd = None
-                        self.final_after_exit_done = True
-                        self.report.drain_timed_out = True
-                    self._maybe_start_sync(now)
-                    if self.sidecar.running is not None and sync_fd is None:
-                        sync_fd = os.pidfd_open(self.sidecar.running.proc.pid)
-                        sel.register(sync_fd, selectors.EVENT_READ, "sync")
+                if self.syncs is not None:
+                    self._step_syncs(now, sel)
                 if self.child_code is not None and self._done():
                     break
         finally:
-            for signum, handler in old:
-                signal.signal(signum, handler)
-            signal.set_wakeup_fd(-1)
-            if self.sidecar is not None and self.sidecar.running is not None:
-                res = self.sidecar.stop()
-                if res is not None:
-                    self.report.add_sync(res, res.final)
-            self._cleanup_tree()
-        assert self.child_code is not None
-        return self._finish()
+            if child_fd >= 0:
+                with contextlib.suppress(OSError):
+                    os.close(child_fd)
+            sel.close()
+
+    def _step_syncs(self, now: float, sel: selectors.BaseSelector) -> None:
+        """Relay drain progress, collect a finished sync, stop a drain past --drain-timeout, start the
+        next sync that is due, and watch its pidfd."""
+        assert self.sidecar is not None and self.syncs is not None
+        sc = self.sidecar
+        self._relay_drain_progress()
+        if sc.running is not None and sc.running.proc.poll() is not None:
+            self._relay_drain_progress()  # its last lines, before the result line
+        res = sc.poll()
+        if res is not None:
+            self._unwatch_sync(sel)
+            self._on_sync_done(res)
+        if self.timers.due("drain_deadline", now) and sc.running:
+            self.say(f"opguard-run: final drain exceeded --drain-timeout={self.opts.drain_timeout:g} s; "
+                     "stopping it (resume with: opguard sync --all --final)")
+            res = sc.stop()
+            if res is not None:
+                self._on_sync_done(res)
+            self._unwatch_sync(sel)
+            self.syncs.last_drain_started = True
+            self.report.drain_timed_out = True
+        self.syncs.maybe_start(now, self.child_code is not None)
+        if sc.running is not None and self._sync_fd is None:
+            self._sync_fd = os.pidfd_open(sc.running.proc.pid)
+            sel.register(self._sync_fd, selectors.EVENT_READ, "sync")
+
+    def _unwatch_sync(self, sel: selectors.BaseSelector) -> None:
+        if self._sync_fd is not None:
+            sel.unregister(self._sync_fd)
+            os.close(self._sync_fd)
+            self._sync_fd = None
 
     def _draining(self) -> bool:
         r = self.sidecar.running if self.sidecar is not None else None
@@ -420,58 +589,27 @@ class Supervisor:
                 self.say("opguard-run: drain: " + line.removeprefix("opguard sync: "))
 
     def _done(self) -> bool:
-        if self.tree.alive():
+        if self.watcher.tree.alive():
             return False
-        if self.sidecar is None:
-            return True
-        return self.sidecar.running is None and self.final_after_exit_done
+        return self.syncs is None or self.syncs.done()
 
     def _on_child_exit(self, now: float) -> None:
+        """RUNNING/DRAINING -> EXITED."""
         assert self.child is not None and self.child.returncode is not None
+        self.phase = Phase.EXITED
         self.child_code = self.child.returncode
         self.report.child_returncode = self.child_code
-        self.tree.refresh({self.sidecar.pid} if self.sidecar and self.sidecar.pid else set())
-        left = self.tree.alive()
-        if left:
-            self.say(f"opguard-run: the child exited; terminating {len(left)} process(es) left in its tree "
-                     f"(pids {', '.join(str(p.pid) for p in left[:8])}), SIGKILL after {self.opts.kill_grace:g} s")
-            self.tree.signal_all(signal.SIGTERM)
-            self.kill_at = now + self.opts.kill_grace
-        elif not self.killed:
-            self.kill_at = None
+        self.watcher.on_child_exit(now)
         if self.staging and not self.opts.quiet:
             then = "; final drain" if self.conflict is None else " (no final drain: node ID conflict)"
             self.say(f"opguard-run: child exited ({_describe(self.child_code)}){then}")
-
-    def _kill_tree(self) -> None:
-        self.kill_at = None
-        assert self.child is not None
-        self.tree.refresh({self.sidecar.pid} if self.sidecar and self.sidecar.pid else set())
-        if self.child_code is None:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(self.child.pid, signal.SIGKILL)
-        n = self.tree.signal_all(signal.SIGKILL)
-        if n or self.child_code is None:
-            self.killed = True
-            self.report.killed = True
-            self.say(f"opguard-run: grace of {self.opts.kill_grace:g} s over: SIGKILL to the child's tree "
-                     f"({n} process(es))")
-
-    def _cleanup_tree(self) -> None:
-        if self.child is not None and self.child.poll() is None:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(self.child.pid, signal.SIGKILL)
-            self.child.wait()
-        if self.tree.alive():
-            self.tree.signal_all(signal.SIGKILL)
-            deadline = time.monotonic() + 5
-            while self.tree.alive() and time.monotonic() < deadline:
-                time.sleep(0.05)
+        if self.opts.drain_timeout is not None and self.staging:
+            self.timers["drain_deadline"] = now + self.opts.drain_timeout
 
     def _countdown(self, now: float) -> None:
         """Ask the scheduler for the job's end time in a thread (a slow controller must not delay
         signal forwarding); the answer wakes the loop through the signal pipe."""
-        self.next_countdown = None
+        self.timers["countdown"] = None
         if self._end_query is not None and self._end_query.is_alive():
             return
 
@@ -486,13 +624,13 @@ class Supervisor:
     def _on_end_time(self, end: float | None, now: float) -> None:
         """Start the final drain when the time left falls to what a drain of the backlog needs."""
         assert self.config is not None
-        if self.child_code is not None or self.drain_requested is not None:
+        if self.child_code is not None or (self.syncs is not None and self.syncs.drain_requested is not None):
             return
         if end is None:
-            self.next_countdown = now + 60.0
+            self.timers["countdown"] = now + 60.0
             return
-        from opguard.launcher.backlog import backlog_bytes
         from opguard.launcher.plan import effective_cap
+        from opguard.staging.backlog import backlog_bytes
         from opguard.staging.layout import Layout
 
         remaining = end - time.time()
@@ -503,10 +641,11 @@ class Supervisor:
         if remaining <= needed:
             self.request_drain(f"job ends in {remaining:.0f} s; a drain of {pending} bytes needs ~{needed:.0f} s")
         else:  # ask again, sooner as the end nears (the end time is never cached)
-            self.next_countdown = now + max(1.0, min(60.0, (remaining - needed) / 2))
+            self.timers["countdown"] = now + max(1.0, min(60.0, (remaining - needed) / 2))
 
     def _node_setup(self, env: dict[str, str]) -> None:
-        from opguard.launcher.claim import NodeIdConflict, make_claim, record_conflict, take_node_duty
+        from opguard.launcher.claim import take_node_duty
+        from opguard.staging.claim import NodeIdConflict, make_claim, record_conflict
         from opguard.staging.layout import Layout
 
         assert self.config is not None
@@ -519,21 +658,26 @@ class Supervisor:
         except NodeIdConflict as e:  # a race lost at the claim itself (preflight saw none)
             _say_recorded(self.say, record_conflict(self.config.target, e, self.identity.node_id))
             raise
-        self.settle_until = time.monotonic() + max(0.0, time.time() - self.started_at) + LAUNCH_SKEW_S
+        self.timers["settle"] = time.monotonic() + max(0.0, time.time() - self.started_at) + LAUNCH_SKEW_S
         for r in self.identity.owned_ranks() or []:
             layout.rank_dir(r).mkdir(parents=True, exist_ok=True)  # the rank's stream exists from the start
 
-    def _start_sidecar(self, env: dict[str, str]) -> None:
+    def _start_syncs(self, env: dict[str, str]) -> None:
         """Right after the command started: no sync runs before the settle time, so the sidecar (and
         psutil) need not delay the command's start."""
         assert self.config is not None
-        from opguard.launcher.plan import effective_cap
-
-        cap = effective_cap(self.config, self.identity.node_count).cap_mib_s
+        from opguard.launcher.plan import effective_cap, stagger
         from opguard.launcher.sidecar import Sidecar, node_env
 
+        cap = effective_cap(self.config, self.identity.node_count).cap_mib_s
         self.sidecar = Sidecar(self.identity, node_env(env, cap), self.workdir, self.opts.verbose, self.say,
                                started_at=self.started_at, warning=self.opts.warning)
+        interval = self.config.sync_interval
+        # node k of N syncs at phase k/N of the interval on the wall clock (shifted per run), so the
+        # stagger holds whatever each wrapper's start-up and settle time were
+        phase_s = (stagger(self.identity, interval) + run_phase_shift(self.config.run_id or "", interval)) % interval
+        self.syncs = SyncScheduler(self.sidecar, self.timers, interval, phase_s, self.opts, self.say, self.report,
+                                   self._capture_sources)
 
     def _node_metadata(self, env: dict[str, str]) -> None:
         """Local rank 0, right after the command started (it needs nothing from it)."""
@@ -576,7 +720,8 @@ class Supervisor:
         code = exit_status(self.child_code) if self.conflict is None else 2
         self.report.exit_code = code
         self.report.signals = self.received
-        self.report.drain_reason = self.drain_requested or ("child exit" if self.staging else None)
+        self.report.drain_reason = (self.syncs.drain_requested if self.syncs is not None else None) or (
+            "child exit" if self.staging else None)
         path = self.opts.report_json
         if path is None and self.staging:
             assert self.config is not None
@@ -617,6 +762,14 @@ def _say_recorded(say: Callable[[str], None], path: Path | None) -> None:
     else:
         say("opguard-run: could not record the node ID conflict on the target: the machine that claimed it "
             "first may keep running; stop the job")
+
+
+def _signal_outcome(forwarded: bool, wanted: bool, is_warning: bool) -> str:
+    if forwarded:
+        return "forwarded to the child's process group"
+    if wanted:
+        return "the child already exited"
+    return "consumed (--forward-warning forwards it)" if is_warning else "not forwarded (--forward-signals)"
 
 
 def _describe(returncode: int) -> str:

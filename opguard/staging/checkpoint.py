@@ -14,6 +14,10 @@ from opguard.errors import IdentityError
 from opguard.staging.bundle import FORMAT_VERSION
 from opguard.staging.fsutil import atomic_replace_json, read_json
 
+# The stream state directory's two files (docs/format.md §6).
+CHECKPOINT_FILE = "checkpoint.json"
+PENDING_FILE = "pending.json"
+
 
 @dataclass(slots=True)
 class FileRecord:

@@ -8,22 +8,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from opguard.errors import ConfigError
-from opguard.staging.config import StagingConfig, validate_node_id
+from opguard.staging.config import StagingConfig
 
 BUNDLES_DIRNAME = ".opguard-bundles"
 RANKS_DIRNAME = "ranks"
 NODES_DIRNAME = "nodes"
 NODE_COPY_DIRNAME = "_node"
 WRITER_TMP_PREFIX = ".opguard-tmp-"
-
-# Environment variables that carry the global rank, in precedence order: a torchrun worker's own
-# RANK first (the wrapper's OPGUARD_RANK describes the wrapper, not its workers), then what
-# opguard-run exported, then the launchers' native variables.
-RANK_VARIABLES = (
-    "RANK", "OPGUARD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK",
-    "MV2_COMM_WORLD_RANK", "SLURM_PROCID",
-)
-
 
 def rank_dirname(rank: int) -> str:
     return f"rank-{rank:06d}"
@@ -38,33 +29,24 @@ def node_stream(node_id: str) -> str:
 
 
 def current_rank(env: Mapping[str, str] | None = None) -> int:
-    """The global rank of this process from the environment (0 for a lone process)."""
-    env = os.environ if env is None else env
-    for name in RANK_VARIABLES:
-        raw = env.get(name)
-        if raw is None or raw.strip() == "":
-            continue
-        try:
-            rank = int(raw)
-        except ValueError:
-            raise ConfigError(f"{name}={raw!r} is not an integer rank", f"unset {name} or fix the launcher") from None
-        if rank < 0:
-            raise ConfigError(f"{name}={raw!r} is negative", f"unset {name} or fix the launcher")
-        return rank
-    return 0
+    """The global rank of this process (0 for a lone process): ``identity.process_identity``, the
+    resolver the launcher uses too (``docs/launcher.md`` §1)."""
+    from opguard.staging.identity import process_identity
+
+    return process_identity(env).rank
 
 
 def current_node_id(config: StagingConfig, env: Mapping[str, str] | None = None) -> str:
-    """OPGUARD_NODE_ID, else the scheduler's node name, else the hostname (validated)."""
-    env = os.environ if env is None else env
+    """OPGUARD_NODE_ID, else the scheduler's node name when Slurm describes this process (an srun
+    task), else the short hostname; validated (``docs/launcher.md`` §1, the launcher's rule)."""
+    from opguard.staging.identity import read_environment
+
     if config.node_id:
         return config.node_id
-    for name in ("SLURMD_NODENAME",):
-        value = env.get(name, "").strip()
-        if value:
-            return validate_node_id(name, value)
-    host = os.uname().nodename.split(".")[0]
-    return validate_node_id("hostname (set OPGUARD_NODE_ID to override)", host)
+    seen = read_environment({k: v for k, v in (os.environ if env is None else env).items() if k != "OPGUARD_NODE_ID"})
+    if seen.node_id_error is not None:
+        raise seen.node_id_error
+    return seen.node_id
 
 
 @dataclass(frozen=True)

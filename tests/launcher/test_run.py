@@ -101,7 +101,7 @@ def test_periodic_syncs_are_staggered_and_low_priority(staging_env: dict[str, st
     def sync_child() -> bool:
         for c in wrapper.children():
             try:
-                if "sync" in c.cmdline():
+                if "opguard.staging.syncrun" in c.cmdline():  # the sync child: python -m opguard.staging.syncrun
                     seen.update(nice=c.nice(), t=time.time())
                     return True
             except psutil.Error:
