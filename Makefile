@@ -3,7 +3,7 @@ PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: venv test lint unit demo bench clean
+.PHONY: venv test lint unit demo bench clean wheel
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -22,8 +22,13 @@ test: lint
 unit: venv
 	$(BIN)/python -m pytest -m "not slurm and not crash" $(PYTEST_ARGS)
 
+# a wheel of THIS project in dist/ (install it with: pip install 'dist/opguard-...whl[torch,mpi]')
+wheel: venv
+	$(BIN)/pip wheel -q --no-deps --no-build-isolation -w dist .
+	@ls -1 dist/opguard-*.whl
+
 demo: venv
 	bash demo.sh
 
 clean:
-	rm -rf $(VENV) demo .pytest_cache .mypy_cache
+	rm -rf $(VENV) demo dist .pytest_cache .mypy_cache
