@@ -3,10 +3,10 @@
 
     .venv/bin/python bench/staging_single.py [--rounds 5] [--src OLD_TREE] [--json FILE]
 
-(s) ``opguard sync --rank 0 --final`` of one rank's ~200 MiB tree (4 JSON-lines files of ~40 MiB,
-    100 float32 binaries of 1 MiB) vs ``tar -cf - DIR | zstd -3 -T1 > FILE && sync FILE``   [<= 1.25x]
+(s) ``opguard sync --rank 0 --final`` of one rank's 196 MiB tree (4 JSON-lines files of 24 MiB,
+    100 float32 binaries of 1 MiB: the issue's 197 MiB tree, one batch at the default 256 MiB) vs ``tar -cf - DIR | zstd -3 -T1 > FILE && sync FILE``   [<= 1.25x]
     and its peak RSS                                                                         [<= 128 MiB]
-(m) ``opguard sync --all --final`` of the same amount of data over 8 ranks (the 8-stream case)
+(m) ``opguard sync --all --final`` of 192 MiB over 8 ranks (4 x 3 MiB JSON lines, 12 x 1 MiB each)
     vs the same baseline of that tree                                                        [not worse]
 
 Rounds are interleaved (baseline, opguard, baseline, opguard, ...), the target is reset before each
@@ -39,7 +39,7 @@ def cli(src: Path | None) -> list[str]:
             "sys.argv = ['opguard'] + sys.argv[1:]; main()"]
 
 
-def single_tree(ws: sb.Workspace, rank: int = 0, jsonl_mib: int = 40, jsonl_files: int = 4, bins: int = 100,
+def single_tree(ws: sb.Workspace, rank: int = 0, jsonl_mib: int = 24, jsonl_files: int = 4, bins: int = 100,
                 bin_bytes: int = sb.MiB) -> int:
     d = ws.rank(rank)
     rng = random.Random(15 + rank)
@@ -94,7 +94,7 @@ def main() -> int:
             shutil.rmtree(ws.root)
         if a.only in (None, "m"):
             ws = sb.Workspace(work, "m")
-            size = sum(single_tree(ws, r, jsonl_mib=5, bins=12) for r in range(8))
+            size = sum(single_tree(ws, r, jsonl_mib=3, bins=12) for r in range(8))
             out["m"] = {"data_MiB": round(size / sb.MiB, 1),
                         **rounds(ws, ["--all"], a.src, work / "m.tar.zst", a.rounds, "m")}
     finally:
