@@ -4,7 +4,8 @@
     .venv/bin/python bench/staging_single.py [--rounds 5] [--src OLD_TREE] [--json FILE]
 
 (s) ``opguard sync --rank 0 --final`` of one rank's 196 MiB tree (4 JSON-lines files of 24 MiB,
-    100 float32 binaries of 1 MiB: the issue's 197 MiB tree, one batch at the default 256 MiB) vs ``tar -cf - DIR | zstd -3 -T1 > FILE && sync FILE``   [<= 1.25x]
+    100 float32 binaries of 1 MiB: the issue's 197 MiB tree, one batch at the default 256 MiB)
+    vs ``tar -cf - DIR | zstd -3 -T1 > FILE && sync FILE``                                   [<= 1.25x]
     and its peak RSS                                                                         [<= 128 MiB]
 (m) ``opguard sync --all --final`` of 192 MiB over 8 ranks (4 x 3 MiB JSON lines, 12 x 1 MiB each)
     vs the same baseline of that tree                                                        [not worse]
