@@ -228,7 +228,7 @@ def _clean_local(pf: Preflight) -> None:
     else:
         streams = [rank_stream(r) for r in ranks] + ([node_stream(node_id)] if pf.identity.node_duty else [])
     try:
-        report = clean(c, layout, streams, node_id)
+        report = clean(c, layout, streams, node_id, inside_wrapper=True)
     except OpguardError as e:
         click.echo(f"opguard-run: --clean-local: nothing removed: {e}", err=True)
         return

@@ -18,11 +18,11 @@ from __future__ import annotations
 
 import os
 import shutil
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from opguard.errors import LockTimeout, OpguardError
+from opguard.errors import ConfigError, LockTimeout, OpguardError
 from opguard.staging.bundle import file_sha256, read_manifest
 from opguard.staging.checkpoint import Checkpoint
 from opguard.staging.config import StagingConfig
@@ -120,13 +120,39 @@ def _check(config: StagingConfig, layout: Layout, stream: str, root: Path) -> st
 
 
 def clean(config: StagingConfig, layout: Layout, streams: Sequence[str], node_id: str, *,
-          dry_run: bool = False) -> CleanReport:
-    """Remove (or, ``dry_run``, only list) the local copies of ``streams`` that are safely published."""
+          dry_run: bool = False, inside_wrapper: bool = False) -> CleanReport:
+    """Remove (or, ``dry_run``, only list) the local copies of ``streams`` that are safely published.
+
+    Refused (ConfigError) while an ``opguard-run`` holds this local base's node duties: its program
+    may still write files that look published; the lock is held for the whole clean, so no wrapper
+    starts on the base meanwhile. ``inside_wrapper``: called by that wrapper after its supervision
+    (``--clean-local``), which may hold the lock itself."""
     import filelock
 
     from opguard.staging.sync import stream_root
 
     check_local_run(config, layout, node_id)
+    duty: filelock.BaseFileLock | None = None
+    if not inside_wrapper and layout.node_duty_lock.parent.is_dir():
+        duty = filelock.FileLock(os.fspath(layout.node_duty_lock), timeout=0)
+        try:
+            duty.acquire()
+        except filelock.Timeout:
+            raise ConfigError(
+                f"an opguard-run is running on this local base (it holds {layout.node_duty_lock}): its program "
+                "may still be writing files that look published, and cleaning now could delete them",
+                "run opguard clean after the job, or let the wrapper do it: opguard-run --clean-local") from None
+    try:
+        return _clean(config, layout, streams, node_id, dry_run, stream_root)
+    finally:
+        if duty is not None:
+            duty.release()
+
+
+def _clean(config: StagingConfig, layout: Layout, streams: Sequence[str], node_id: str, dry_run: bool,
+           stream_root: Callable[[Layout, str, str], tuple[Path, str, int | None]]) -> CleanReport:
+    import filelock
+
     report = CleanReport(dry_run)
     for stream in streams:
         root = stream_root(layout, stream, node_id)[0]

@@ -14,7 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.launcher.helpers import OPGUARD, PY, run_wrapper, tree_snapshot
+from tests.launcher.helpers import OPGUARD, PY, run_wrapper, spawn, tree_snapshot, wait_for
+
+PROG = str(Path(__file__).parent / "progs" / "sigchild.py")
 
 WRITE = ("from opguard.staging.writers import open_jsonl, write_rank_file\n"
          "w = open_jsonl('trace.jsonl'); [w.write({'i': i}) for i in range(50)]; w.close()\n"
@@ -224,3 +226,22 @@ def test_clean_local_after_the_drain(staging_env: dict[str, str], tail: bool) ->
         assert "kept rank-000000" in r.stderr and "incomplete last line" in r.stderr
     else:
         assert "removed rank-000000" in r.stderr
+
+
+def test_clean_is_refused_while_a_wrapper_runs_on_the_base(staging_env: dict[str, str], tmp_path: Path) -> None:
+    env = _env(staging_env)
+    local = Path(env["OPGUARD_LOCAL_DUMP_BASE"])
+    assert _run(env).returncode == 0  # a sealed run: everything in it looks published
+    out = tmp_path / "out"
+    second = spawn(["--no-countdown", "--resume", PY, PROG, str(out), "wait", "0"], env)
+    try:
+        wait_for(lambda: (out / "ready").exists(), 60, "the second attempt's program")
+        before = sorted(tree_snapshot(local))  # the program keeps writing: compare the paths, not contents
+        c = _opguard(env, "clean")
+        assert c.returncode == 2 and "an opguard-run is running on this local base" in c.stderr, c.stderr
+        assert set(before) <= set(tree_snapshot(local)), "clean removed something under a running job"
+    finally:
+        (out / "release").write_text("1")
+        second.communicate(timeout=120)
+    assert second.returncode == 0
+    assert _opguard(env, "clean").returncode in (0, 5)  # after the job: allowed
