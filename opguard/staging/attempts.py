@@ -289,3 +289,61 @@ def finish_attempt(config: StagingConfig, layout: Layout, node_id: str, number: 
         return False
     report = sync_streams(config, layout, [stream], final=True, node_id=node_id)
     return report.error is None and all(sr.error is None for sr in report.streams)
+
+
+PROVENANCE_FILE = ".opguard-attempts.json"  # written by materialize at the top of the restored tree
+
+
+def attempt_of(attempts: list[dict[str, Any]], stream: str, sequence: int) -> int | None:
+    """The attempt (of one node's list) that published batch ``sequence`` of ``stream``: the last
+    whose ``first_sequence`` for the stream (1 when absent) is <= ``sequence``; None for a list
+    without ``first_sequence`` (recorded before it existed) or no attempt at all."""
+    found: int | None = None
+    for a in attempts:
+        firsts = a.get("first_sequence")
+        if not isinstance(firsts, dict):
+            return None
+        first = firsts.get(stream, 1)
+        if isinstance(first, int) and first <= sequence:
+            found = int(a.get("attempt", 0)) or None
+    return found
+
+
+def provenance(source: Path) -> dict[str, Any]:
+    """For every restored path (``ranks/rank-<R>/...``, ``nodes/<id>/...``): the attempt, node and
+    batch sequence its last version came from (``docs/format.md`` §8). Reads manifests only."""
+    from opguard.staging.bundle import read_manifest
+    from opguard.staging.target import list_batches
+
+    published = published_attempts(source)
+    streams = source / BUNDLES_DIRNAME / "streams"
+    files: dict[str, dict[str, Any]] = {}
+    try:
+        names = sorted(os.listdir(streams))
+    except (FileNotFoundError, NotADirectoryError):
+        names = []
+    for name in names:
+        sdir = streams / name
+        for seq, digest in list_batches(sdir):
+            try:
+                m = read_manifest(sdir / f"{seq:012d}-{digest}.ogb").manifest
+            except (OpguardError, OSError):
+                break  # verify/materialize report it; nothing is restored from a damaged stream
+            node = str(m.get("node_id"))
+            prefix = f"ranks/{name}" if m.get("kind") == "rank" else f"nodes/{node}"
+            attempt = attempt_of(published.get(node, []), name, seq)
+            for e in m.get("entries", []):
+                files[f"{prefix}/{e['path']}"] = {"attempt": attempt, "node_id": node, "stream": name,
+                                                  "sequence": seq}
+    return {"version": 1, "attempts": published, "files": dict(sorted(files.items()))}
+
+
+def write_provenance(source: Path, dest: Path) -> Path | None:
+    """``DEST/.opguard-attempts.json`` after a restore (temp file, fsync, rename, fsync), when the run
+    recorded attempts (a run made by ``opguard-run``); None otherwise."""
+    doc = provenance(source)
+    if not doc["attempts"]:
+        return None
+    path = dest / PROVENANCE_FILE
+    atomic_replace_bytes(path, json.dumps(doc, indent=1, sort_keys=True).encode() + b"\n")
+    return path

@@ -104,7 +104,8 @@ def test_resume_and_requeue_continue_and_list_the_attempts(staging_env: dict[str
     target = Path(env["OPGUARD_LOCAL_DUMP_TARGET"])
     local = Path(env["OPGUARD_LOCAL_DUMP_BASE"])
     assert _run(env).returncode == 0
-    r = _run({**env, "SLURM_JOB_ID": "4800"}, "--resume")  # resumed from a checkpoint by a new job
+    r = _run({**env, "SLURM_JOB_ID": "4800"}, "--resume",  # resumed from a checkpoint by a new job
+             code=WRITE + "write_rank_file('only2.bin', b'2')\n")
     assert r.returncode == 0, r.stderr
     assert "attempt 2 of run experiment-001 (resume-flag)" in r.stderr
     r = _run({**env, "SLURM_JOB_ID": "4800", "SLURM_RESTART_COUNT": "1"}, code="import sys; sys.exit(3)")
@@ -133,6 +134,13 @@ def test_resume_and_requeue_continue_and_list_the_attempts(staging_env: dict[str
     restored = tmp_path / "restored" / "ranks" / "rank-000000"
     assert (restored / "trace.jsonl").read_bytes().count(b"\n") == 150  # three writing attempts appended
     assert len(json.loads((restored / "_node" / "attempts.json").read_text())["attempts"]) == 4
+    prov = json.loads((tmp_path / "restored" / ".opguard-attempts.json").read_text())
+    assert [a["attempt"] for a in prov["attempts"]["node-a"]] == [1, 2, 3, 4]
+    files = prov["files"]
+    assert files["ranks/rank-000000/only2.bin"] == {"attempt": 2, "node_id": "node-a", "stream": "rank-000000",
+                                                   "sequence": 2}
+    assert files["ranks/rank-000000/trace.jsonl"]["attempt"] == 4
+    assert files["nodes/node-a/attempts.json"]["attempt"] == 4  # the end record, published by attempt 4
 
 
 def test_leftover_capture_directory_is_refused_before_the_child(staging_env: dict[str, str],
