@@ -13,7 +13,7 @@ def _mib(n: int) -> str:
     return f"{n / 2**20:.1f} MiB"
 
 
-def render(report: object, say: object = None) -> list[str]:
+def render(report: object) -> list[str]:
     """The lines ``opguard clean`` prints (also used by ``opguard-run --clean-local``)."""
     from opguard.staging.clean import CleanReport
 
