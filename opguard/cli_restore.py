@@ -11,6 +11,16 @@ from opguard.cli import handle_errors, main
 from opguard.errors import OpguardError
 
 
+def _attempt_lines(source: Path) -> list[str]:
+    """Every node's attempts, as published (``docs/format.md`` §4.1)."""
+    from opguard.staging.attempts import describe, published_attempts
+
+    lines = []
+    for node, attempts in sorted(published_attempts(source).items()):
+        lines += [f"node {node} {describe(a)}" for a in attempts]
+    return lines
+
+
 def _summary(report: object) -> str:
     from opguard.staging.restore import VerifyReport
 
@@ -26,14 +36,21 @@ def _summary(report: object) -> str:
 @click.option("--require-sealed", is_flag=True, help="fail (exit 5) if any stream is unsealed")
 @handle_errors
 def materialize_cmd(source: Path, dest: Path, require_sealed: bool) -> None:
-    """Restore SOURCE (a run's shared output) into DEST, which must not exist.
+    """Restore SOURCE (a run's shared output) into DEST, which must not exist (its parents are created).
 
     Every batch is verified; DEST appears complete or not at all. Prints DEST on stdout.
     """
+    from opguard.staging.dirs import make_dest_parents
     from opguard.staging.restore import materialize
 
+    make_dest_parents(source, dest)
     report = materialize(source, dest, require_sealed=require_sealed)
     click.echo(f"opguard: restored {_summary(report)} into {report.dest}", err=True)
+    for line in _attempt_lines(source):
+        click.echo(f"opguard: {line}", err=True)
+    from opguard.staging.attempts import write_provenance
+
+    write_provenance(source, Path(report.dest))  # which attempt each file's last version came from
     click.echo(report.dest)
 
 
@@ -57,12 +74,20 @@ def verify_cmd(source: Path, require_sealed: bool, as_json: bool) -> None:
     except DamagedSource as e:
         report, error = e.report, e
     if as_json:
-        click.echo(report.to_json())
+        import json
+
+        from opguard.staging.attempts import published_attempts
+
+        doc = json.loads(report.to_json())
+        doc["attempts"] = published_attempts(source)
+        click.echo(json.dumps(doc, indent=1, sort_keys=True))
     else:
         for sr in report.streams:
             line = f"{sr.status:9} {sr.stream}: {sr.batches} batch(es), {sr.files} file(s), {sr.bytes} bytes"
             click.echo(line + (f" -- {sr.error}" if sr.error else ""))
         click.echo(_summary(report))
+        for line in _attempt_lines(source):
+            click.echo(line)
     sys.stdout.flush()
     if error is not None:
         raise error

@@ -75,13 +75,19 @@ def parse_signals(spec: str, what: str) -> list[signal.Signals]:
 @click.option("--capture", is_flag=True,
               help="capture per-operation traces in every Python process the command starts (torchrun workers "
               "included; options from OPGUARD_CAPTURE_*, see docs/capture.md)")
+@click.option("--resume", is_flag=True,
+              help="continue a run whose streams are sealed, as a new attempt (also OPGUARD_RESUME=1; a Slurm "
+              "requeue of the same job continues without it); docs/format.md §4.1")
+@click.option("--clean-local", is_flag=True,
+              help="after the final drain, remove this wrapper's local copies of the streams that are sealed and "
+              "re-verified on the target (opguard clean); anything not safely published is kept and listed")
 @click.option("--mountinfo", type=click.Path(dir_okay=False, path_type=Path), default=MOUNTINFO, hidden=True,
               help="mount table to read (tests)")
 @click.argument("command", nargs=-1, type=click.UNPROCESSED, required=True)
 def run_command(command: tuple[str, ...], plan_only: bool, as_json: bool, quiet: bool, verbose: bool,
                 forward_signals: str, warning_signal: str, forward_warning: bool, kill_grace: float,
                 drain_timeout: float | None, report_json: Path | None, no_countdown: bool, capture: bool,
-                mountinfo: Path) -> None:
+                resume: bool, clean_local: bool, mountinfo: Path) -> None:
     """Run COMMAND under opguard: identity, preflight, periodic syncs, signal forwarding, final drain.
 
     \b
@@ -95,7 +101,8 @@ def run_command(command: tuple[str, ...], plan_only: bool, as_json: bool, quiet:
 
     try:
         code = _run(list(command), plan_only, as_json, quiet, verbose, forward_signals, warning_signal,
-                    forward_warning, kill_grace, drain_timeout, report_json, no_countdown, mountinfo, capture)
+                    forward_warning, kill_grace, drain_timeout, report_json, no_countdown, mountinfo, capture,
+                    resume, clean_local)
     except OpguardError as err:
         fail(err)
         return
@@ -104,7 +111,8 @@ def run_command(command: tuple[str, ...], plan_only: bool, as_json: bool, quiet:
 
 def _run(cmd: list[str], plan_only: bool, as_json: bool, quiet: bool, verbose: bool, forward_signals: str,
          warning_signal: str, forward_warning: bool, kill_grace: float, drain_timeout: float | None,
-         report_json: Path | None, no_countdown: bool, mountinfo: Path, capture: bool = False) -> int:
+         report_json: Path | None, no_countdown: bool, mountinfo: Path, capture: bool = False,
+         resume: bool = False, clean_local: bool = False) -> int:
     from opguard.launcher.preflight import run_preflight
 
     forward = parse_signals(forward_signals, "--forward-signals")
@@ -118,8 +126,13 @@ def _run(cmd: list[str], plan_only: bool, as_json: bool, quiet: bool, verbose: b
         # Slurm's --signal may come at any moment, even while the preflight reads shared storage: its
         # default action would kill the wrapper. Record it; the supervisor starts the drain with it.
         signal.signal(warn[0], lambda signum, _frame: early.append(signum))
-    capture_env = _capture_env() if capture else None  # bad OPGUARD_CAPTURE_* values: exit 2 before anything
-    pf = run_preflight(cmd, os.environ, mountinfo=mountinfo)
+    capture_env: dict[str, str] | None = None
+    if capture:
+        try:
+            capture_env = _capture_env()
+        except ConfigError:
+            pass  # bad OPGUARD_CAPTURE_* values: the preflight lists them with every other problem (exit 2)
+    pf = run_preflight(cmd, os.environ, mountinfo=mountinfo, resume=resume, capture=capture)
     if plan_only or verbose or not pf.ok:
         from opguard.launcher.plan import build_plan, render  # the derived numbers: only when shown
     if plan_only:
@@ -142,7 +155,85 @@ def _run(cmd: list[str], plan_only: bool, as_json: bool, quiet: bool, verbose: b
                    early_signals=early)
     if verbose:  # the derived numbers walk the staged files: only when asked
         click.echo(render(build_plan(pf, cmd)), err=True)
-    return run(cmd, pf, opts)
+    attempt = _begin(pf)
+    if capture and pf.identity.node_duty:  # one line per node: capture is on, and where it writes
+        from opguard.launcher.capturecheck import start_line
+
+        click.echo(start_line(os.environ, pf.config), err=True)
+    code = run(cmd, pf, opts)
+    if attempt is not None:
+        _end(pf, attempt, code, quiet)
+    if clean_local:
+        _clean_local(pf)
+    return code
+
+
+def _begin(pf: Preflight) -> int | None:
+    """Every check passed: create the target's and the local base's last component (docs/format.md
+    §1.1) and, on the node's first wrapper, record the attempt (§4.1). Returns its number."""
+    from opguard.staging.dirs import LOCAL_BASE_MODE, TARGET_MODE, ensure_dir
+
+    c = pf.config
+    if c is None or not c.enabled:
+        return None
+    assert c.local_base is not None and c.target is not None
+    for path, var, mode in ((c.local_base, "OPGUARD_LOCAL_DUMP_BASE", LOCAL_BASE_MODE),
+                            (c.target, "OPGUARD_LOCAL_DUMP_TARGET", TARGET_MODE)):
+        if ensure_dir(path, var, mode):
+            click.echo(f"opguard-run: created {var}={path}", err=True)
+    if not pf.identity.node_duty:
+        return None
+    from opguard.staging.attempts import FIRST, begin_attempt
+    from opguard.staging.layout import Layout
+
+    number = begin_attempt(Layout(c), pf.identity.node_id, pf.attempt_how or FIRST, os.environ)
+    if number > 1:
+        click.echo(f"opguard-run: attempt {number} of run {c.run_id} ({pf.attempt_how})", err=True)
+    return number
+
+
+def _end(pf: Preflight, number: int, code: int, quiet: bool) -> None:
+    from opguard.errors import OpguardError
+    from opguard.staging.attempts import finish_attempt
+    from opguard.staging.layout import Layout
+
+    assert pf.config is not None
+    try:
+        published = finish_attempt(pf.config, Layout(pf.config), pf.identity.node_id, number, code)
+    except (OpguardError, OSError) as e:
+        click.echo(f"opguard-run: warning: could not record the end of attempt {number}: {e}", err=True)
+        return
+    if not published and not quiet:
+        click.echo(f"opguard-run: the end of attempt {number} is recorded locally (node/attempts.json); the next sync "
+                   "of the node stream publishes it", err=True)
+
+
+def _clean_local(pf: Preflight) -> None:
+    """``--clean-local``: ``opguard clean`` of this wrapper's streams, after the final drain."""
+    from opguard.cli_clean import render
+    from opguard.errors import OpguardError
+    from opguard.staging.clean import clean
+    from opguard.staging.layout import Layout, node_stream, rank_stream
+    from opguard.staging.sync import all_streams
+
+    c = pf.config
+    if c is None or not c.enabled:
+        click.echo("opguard-run: --clean-local: local staging is off, nothing to clean", err=True)
+        return
+    layout = Layout(c)
+    node_id = pf.identity.node_id
+    ranks = pf.identity.owned_ranks()
+    if ranks is None:
+        streams = all_streams(c, layout, node_id)
+    else:
+        streams = [rank_stream(r) for r in ranks] + ([node_stream(node_id)] if pf.identity.node_duty else [])
+    try:
+        report = clean(c, layout, streams, node_id, inside_wrapper=True)
+    except OpguardError as e:
+        click.echo(f"opguard-run: --clean-local: nothing removed: {e}", err=True)
+        return
+    for line in render(report):
+        click.echo(f"opguard-run: clean: {line}", err=True)
 
 
 def _capture_env() -> dict[str, str]:

@@ -238,8 +238,11 @@ def test_destination_must_not_exist_and_parent_must(tmp_path: Path) -> None:
     assert list((tmp_path / "out").iterdir()) == []
     (tmp_path / "link").symlink_to(tmp_path / "nowhere")
     assert cli("materialize", str(src), str(tmp_path / "link")).returncode == 2
-    r = cli("materialize", str(src), str(tmp_path / "no" / "such" / "out"))
-    assert r.returncode == 2 and "mkdir -p" in r.stderr
+    (tmp_path / "a-file").write_text("x")
+    r = cli("materialize", str(src), str(tmp_path / "a-file" / "out"))
+    assert r.returncode == 2 and "a-file" in r.stderr and "fix:" in r.stderr
+    r = cli("materialize", str(src), str(src / "new-dir" / "restored"))
+    assert r.returncode == 2 and "inside the source" in r.stderr and not (src / "new-dir").exists()
     r = cli("materialize", str(src), str(src / "restored"))
     assert r.returncode == 2 and "inside the source" in r.stderr
     r = cli("materialize", str(tmp_path / "missing"), str(tmp_path / "out2"))

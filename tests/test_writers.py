@@ -110,8 +110,9 @@ def test_staging_disabled_writes_the_output_base(staging_env: dict[str, str]) ->
 
 def _broken(env: dict[str, str], how: str) -> dict[str, str]:
     base = Path(env["OPGUARD_LOCAL_DUMP_BASE"])
-    if how == "missing":
+    if how == "missing":  # its parent too: a missing base whose parent exists is created (docs/format.md §1.1)
         base.rmdir()
+        base.parent.rmdir()
     elif how == "not-a-directory":
         base.rmdir()
         base.write_bytes(b"")
@@ -131,6 +132,14 @@ def test_broken_staging_never_falls_back_to_shared_storage(staging_env: dict[str
         assert "OPGUARD_LOCAL_DUMP_BASE" in str(ei.value) or "state" in ei.value.message
         assert ei.value.fix
     assert list(target.iterdir()) == []
+
+
+def test_writers_create_a_missing_local_base_under_an_existing_parent(staging_env: dict[str, str]) -> None:
+    base = Path(staging_env["OPGUARD_LOCAL_DUMP_BASE"])
+    base.rmdir()
+    write_rank_file("x.bin", b"x", rank=0, env=staging_env)
+    assert (base / "ranks" / "rank-000000" / "x.bin").read_bytes() == b"x"
+    assert base.stat().st_mode & 0o077 == 0  # 0700: node-local staging is private to the job's user
 
 
 def test_a_record_cut_short_by_an_error_is_rolled_back(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -20,6 +20,7 @@ from opguard.launcher.claim import claim_problem, node_duty_problem
 from opguard.launcher.identity import Identity, resolve
 from opguard.launcher.mounts import MOUNTINFO, filesystem_of, is_network_fstype
 from opguard.staging.config import StagingConfig
+from opguard.staging.dirs import creatable_problem
 from opguard.staging.layout import Layout, node_stream, rank_stream
 
 _VAR_RE = re.compile(r"^(OPGUARD_[A-Z_]+)")
@@ -38,6 +39,7 @@ class Preflight:
     local_fstype: str | None = None
     free_bytes: int | None = None
     expected_mib_s: float | None = None  # OPGUARD_EXPECTED_MBPS: new data per node, for the plan's sizing
+    attempt_how: str | None = None  # why this attempt may start (opguard.staging.attempts); staging only
 
     @property
     def ok(self) -> bool:
@@ -93,16 +95,17 @@ def _probe_writable(base: Path) -> str | None:
 
 def check_local_base(config: StagingConfig, mountinfo: Path = MOUNTINFO) -> tuple[list[ConfigError], str | None,
                                                                                    int | None]:
-    """Missing, unwritable, network filesystem, out of space (free < one batch)."""
+    """Missing parent, unwritable, network filesystem, out of space (free < one batch). A missing base
+    whose parent exists is fine (the wrapper creates it); its parent is checked instead."""
     base = config.local_base
     assert base is not None
     problems: list[ConfigError] = []
-    if not base.is_dir():
-        problems.append(ConfigError(
-            f"OPGUARD_LOCAL_DUMP_BASE={base} does not exist or is not a directory",
-            f"create it on node-local disk before the job (mkdir -p {base}); opguard never falls back to "
-            "writing shared storage directly"))
+    missing = creatable_problem(base, "OPGUARD_LOCAL_DUMP_BASE")
+    if missing is not None:
+        problems.append(missing)
         return problems, None, None
+    if not base.is_dir():  # created after every check passed (docs/format.md §1.1): look at its parent now
+        base = base.parent
     err = _probe_writable(base)
     if err is not None:
         problems.append(ConfigError(f"OPGUARD_LOCAL_DUMP_BASE={base} is not writable: {err}",
@@ -162,8 +165,11 @@ def check_command(cmd: Sequence[str], env: Mapping[str, str]) -> list[ConfigErro
 
 
 def run_preflight(cmd: Sequence[str], env: Mapping[str, str] | None = None, *, mountinfo: Path = MOUNTINFO,
-                  hostname: str | None = None) -> Preflight:
-    """All checks of ``opguard-run`` / ``--plan``; nothing is written to shared storage."""
+                  hostname: str | None = None, resume: bool = False, capture: bool = False) -> Preflight:
+    """All checks of ``opguard-run`` / ``--plan``; nothing is written to shared storage.
+
+    ``resume``: ``--resume`` was given (a sealed run may be continued); ``capture``: ``--capture``
+    was given (capture's own refusals are checked here, before the command starts)."""
     env = os.environ if env is None else env
     identity, id_problems = resolve(env, cmd, hostname)
     config, problems = load_config(env)
@@ -173,7 +179,11 @@ def run_preflight(cmd: Sequence[str], env: Mapping[str, str] | None = None, *, m
         pf.problems.append(rate_problem)
     pf.problems.extend(check_command(cmd, env))
     if config is not None and config.enabled:
-        _staging_checks(pf, config, mountinfo)
+        _staging_checks(pf, config, mountinfo, env, resume)
+    if capture:
+        from opguard.launcher.capturecheck import capture_problems
+
+        pf.problems.extend(capture_problems(cmd, env, config, identity))
     unique: dict[str, ConfigError] = {}
     for p in pf.problems:  # one variable can fail two checks with one message
         unique.setdefault(p.message, p)
@@ -181,7 +191,8 @@ def run_preflight(cmd: Sequence[str], env: Mapping[str, str] | None = None, *, m
     return pf
 
 
-def _staging_checks(pf: Preflight, config: StagingConfig, mountinfo: Path) -> None:
+def _staging_checks(pf: Preflight, config: StagingConfig, mountinfo: Path, env: Mapping[str, str],
+                    resume: bool) -> None:
     identity = pf.identity
     layout = Layout(config)
     local, pf.local_fstype, pf.free_bytes = check_local_base(config, mountinfo)
@@ -195,3 +206,9 @@ def _staging_checks(pf: Preflight, config: StagingConfig, mountinfo: Path) -> No
         duty = node_duty_problem(layout)
         if duty is not None:
             pf.problems.append(duty)
+    if not local:  # a sealed run is continued only when asked (docs/format.md §4.1)
+        from opguard.staging.attempts import decide
+
+        pf.attempt_how, sealed = decide(config, layout, identity.node_id, env, resume)
+        if sealed is not None:
+            pf.problems.append(sealed)

@@ -21,6 +21,7 @@ from opguard.errors import ConfigError, IdentityError, LockTimeout
 from opguard.staging.bundle import FORMAT_VERSION, parse_batch_name
 from opguard.staging.checkpoint import Checkpoint, Pending, load_checkpoint, load_pending
 from opguard.staging.config import StagingConfig
+from opguard.staging.dirs import TARGET_MODE, creatable_problem, ensure_dir
 from opguard.staging.fsutil import create_exclusive, dump_json, read_json
 from opguard.staging.layout import BUNDLES_DIRNAME, Layout
 from opguard.staging.writers import check_staging_usable
@@ -224,13 +225,14 @@ def check_target(config: StagingConfig, layout: Layout, streams: Sequence[str],
     """Every identity check, reading only: target format and run, legacy data, the local run
     file and each stream's checkpoint against the target. Raises IdentityError / ConfigError."""
     s = staging_of(config)
-    if not s.target.is_dir():
-        raise ConfigError(f"OPGUARD_LOCAL_DUMP_TARGET={s.target} does not exist or is not a directory",
-                          f"create it (mkdir -p {s.target}) or fix OPGUARD_LOCAL_DUMP_TARGET")
-    fmt = read_format(s.bundles)
-    if fmt is not None:
-        _check_format(s.bundles / "format.json", fmt, s.run_id)
-    _refuse_legacy(s.target)
+    missing = creatable_problem(s.target, "OPGUARD_LOCAL_DUMP_TARGET")
+    if missing is not None:
+        raise missing
+    if s.target.is_dir():  # else a new target: created by the first writer (nothing to check there)
+        fmt = read_format(s.bundles)
+        if fmt is not None:
+            _check_format(s.bundles / "format.json", fmt, s.run_id)
+        _refuse_legacy(s.target)
     check_local_run(config, layout, node_id)
     for stream in streams:
         check_stream(config, layout, stream)
@@ -243,10 +245,15 @@ def ensure_target(config: StagingConfig, layout: Layout, node_id: str) -> None:
     walks the target only when this node first joins the run or the target is new.
     """
     s = staging_of(config)
+    if not s.local_base.is_dir():  # the writers and opguard-run create it: a sync has nothing to upload
+        raise ConfigError(
+            f"OPGUARD_LOCAL_DUMP_BASE={s.local_base} does not exist or is not a directory: nothing was staged "
+            "here (the uploader does not create it; the writers and opguard-run do)",
+            "run the sync on the node that staged the data, with the job's OPGUARD_LOCAL_DUMP_BASE")
     check_staging_usable(config, layout, create_state=False)
-    if not s.target.is_dir():
-        raise ConfigError(f"OPGUARD_LOCAL_DUMP_TARGET={s.target} does not exist or is not a directory",
-                          f"create it (mkdir -p {s.target}) or fix OPGUARD_LOCAL_DUMP_TARGET")
+    missing = creatable_problem(s.target, "OPGUARD_LOCAL_DUMP_TARGET")
+    if missing is not None:
+        raise missing
     has_run = check_local_run(config, layout, node_id)
     fmt = read_format(s.bundles)
     if fmt is not None:
@@ -255,6 +262,7 @@ def ensure_target(config: StagingConfig, layout: Layout, node_id: str) -> None:
         _refuse_legacy(s.target)
     # every check passed: record the identity
     check_staging_usable(config, layout, create_state=True)
+    ensure_dir(s.target, "OPGUARD_LOCAL_DUMP_TARGET", TARGET_MODE)
     if fmt is None:
         s.bundles.mkdir(parents=True, exist_ok=True)  # streams/ only after format.json: a crash between
         # the two must not leave a target that readers take for one whose format.json was lost

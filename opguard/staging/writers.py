@@ -18,6 +18,7 @@ from typing import Any, BinaryIO
 
 from opguard.errors import ConfigError
 from opguard.staging.config import StagingConfig
+from opguard.staging.dirs import LOCAL_BASE_MODE, creatable_problem, ensure_dir
 from opguard.staging.fsutil import fsync_dir, tmp_name
 from opguard.staging.layout import NODE_COPY_DIRNAME, WRITER_TMP_PREFIX, Layout, current_node_id, current_rank
 
@@ -198,11 +199,14 @@ def check_staging_usable(config: StagingConfig, layout: Layout, *, create_state:
     (created unless ``create_state`` is false)."""
     base = config.local_base
     assert base is not None
-    if not base.is_dir():
-        raise ConfigError(
-            f"OPGUARD_LOCAL_DUMP_BASE={base} does not exist or is not a directory (local staging is enabled; "
-            "opguard never falls back to writing shared storage directly)",
-            f"create it on node-local disk (mkdir -p {base}) or set OPGUARD_LOCAL_DUMP_ENABLED=0")
+    if not create_state:
+        missing = creatable_problem(base, "OPGUARD_LOCAL_DUMP_BASE")
+        if missing is not None:
+            raise missing
+        if not base.is_dir():
+            return  # created with the state directory (docs/format.md §1.1)
+    else:
+        ensure_dir(base, "OPGUARD_LOCAL_DUMP_BASE", LOCAL_BASE_MODE)
     if not os.access(base, os.W_OK | os.X_OK):
         raise ConfigError(f"OPGUARD_LOCAL_DUMP_BASE={base} is not writable by this user",
                           "fix its permissions or point OPGUARD_LOCAL_DUMP_BASE at a writable node-local directory")

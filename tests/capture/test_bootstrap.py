@@ -100,7 +100,7 @@ def test_unusable_staging_refuses_the_program(tmp_path: Path) -> None:
     pytest.importorskip("torch", reason="capture needs torch (pip install torch, CPU build)")
     env = {k: v for k, v in os.environ.items() if not k.startswith("OPGUARD_")}
     env = child_env({**env, "OPGUARD_LOCAL_DUMP_ENABLED": "1", "OPGUARD_LOCAL_DUMP_TARGET": str(tmp_path / "shared"),
-                     "OPGUARD_LOCAL_DUMP_BASE": str(tmp_path / "no-such-dir")})
+                     "OPGUARD_LOCAL_DUMP_BASE": str(tmp_path / "no-such-dir" / "base")})
     r = subprocess.run([sys.executable, "-c", "import torch; print('ran')"], env=env, capture_output=True, text=True)
     assert r.returncode == 2 and "ran" not in r.stdout
     assert "OPGUARD_LOCAL_DUMP_BASE" in r.stderr and "refusing" in r.stderr

@@ -263,7 +263,8 @@ def test_collective_recorded_as_such(out_env: dict[str, str], tmp_path: Path) ->
 def test_refusals(tmp_path: Path, out_env: dict[str, str]) -> None:
     # staging enabled but unusable: refuse, never fall back
     bad = {"OPGUARD_TRACE_OUTPUT_BASE": str(tmp_path / "t"), "OPGUARD_LOCAL_DUMP_ENABLED": "1",
-           "OPGUARD_LOCAL_DUMP_TARGET": str(tmp_path / "t"), "OPGUARD_LOCAL_DUMP_BASE": str(tmp_path / "missing")}
+           "OPGUARD_LOCAL_DUMP_TARGET": str(tmp_path / "t"),
+           "OPGUARD_LOCAL_DUMP_BASE": str(tmp_path / "missing" / "base")}
     with pytest.raises(ConfigError, match="OPGUARD_LOCAL_DUMP_BASE"), oc.capture(env=bad):
         pass
     assert not (tmp_path / "t").exists() or not any((tmp_path / "t").rglob("*.jsonl"))

@@ -76,10 +76,21 @@ def test_staging_enabled_without_variables(staging_env: dict[str, str], tmp_path
     refused(env, tmp_path, "OPGUARD_LOCAL_DUMP_BASE is not set")
 
 
-def test_local_base_missing(staging_env: dict[str, str], tmp_path: Path) -> None:
-    env = {**staging_env, "OPGUARD_LOCAL_DUMP_BASE": str(tmp_path / "nope")}
-    refused(env, tmp_path, f"OPGUARD_LOCAL_DUMP_BASE={tmp_path / 'nope'} does not exist")
+def test_local_base_parent_missing(staging_env: dict[str, str], tmp_path: Path) -> None:
+    env = {**staging_env, "OPGUARD_LOCAL_DUMP_BASE": str(tmp_path / "nope" / "base")}
+    refused(env, tmp_path, f"OPGUARD_LOCAL_DUMP_BASE={tmp_path / 'nope' / 'base'} does not exist",
+            f"neither does its parent {tmp_path / 'nope'}")
     assert not (tmp_path / "nope").exists()
+
+
+def test_target_parent_missing(staging_env: dict[str, str], tmp_path: Path) -> None:
+    target = tmp_path / "unmounted" / "exp"
+    env = {**staging_env, "OPGUARD_LOCAL_DUMP_TARGET": str(target), "OPGUARD_TRACE_OUTPUT_BASE": str(target)}
+    refused(env, tmp_path, f"OPGUARD_LOCAL_DUMP_TARGET={target} does not exist",
+            f"neither does its parent {tmp_path / 'unmounted'}")
+    assert not (tmp_path / "unmounted").exists()
+    r = run_wrapper(["--plan", PY, "app.py"], env)  # --plan says the same
+    assert r.returncode == 2 and "neither does its parent" in r.stderr
 
 
 @pytest.fixture

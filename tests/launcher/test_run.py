@@ -58,8 +58,8 @@ def test_quiet_and_verbose_progress(staging_env: dict[str, str], tmp_path: Path)
     assert all(line.startswith("opguard-run: ") for line in lines)
     assert not any(" sync #" in line for line in lines)  # periodic syncs are silent with --quiet
     assert any("final drain ok" in line for line in lines) and "drain complete" in lines[-1]
-    v = subprocess.run([OPGUARD_RUN, "--verbose", PY, "-c", code], env=env, capture_output=True, text=True,
-                       timeout=120)
+    v = subprocess.run([OPGUARD_RUN, "--verbose", "--resume", PY, "-c", code], env=env, capture_output=True,
+                       text=True, timeout=120)  # a second attempt of the quiet run's sealed run
     assert v.returncode == 0, v.stderr
     assert "opguard-run plan:" in v.stderr and "starting sync --rank 0 --node" in v.stderr
     sync_lines = [line for line in v.stderr.splitlines() if " sync #" in line]

@@ -1,0 +1,112 @@
+#!/usr/bin/env python3
+"""One stream as fast as ``tar | zstd`` (issue 15, item 6): single-stream and 8-stream sync vs the baseline.
+
+    .venv/bin/python bench/staging_single.py [--rounds 5] [--src OLD_TREE] [--json FILE]
+
+(s) ``opguard sync --rank 0 --final`` of one rank's 196 MiB tree (4 JSON-lines files of 24 MiB,
+    100 float32 binaries of 1 MiB: the issue's 197 MiB tree, one batch at the default 256 MiB)
+    vs ``tar -cf - DIR | zstd -3 -T1 > FILE && sync FILE``                                   [<= 1.25x]
+    and its peak RSS                                                                         [<= 128 MiB]
+(m) ``opguard sync --all --final`` of 192 MiB over 8 ranks (4 x 3 MiB JSON lines, 12 x 1 MiB each)
+    vs the same baseline of that tree                                                        [not worse]
+
+Rounds are interleaved (baseline, opguard, baseline, opguard, ...), the target is reset before each
+sync, and the figure is the median of the per-round ratios. ``--src DIR`` runs the opguard package
+found in DIR (e.g. ``git archive <commit> opguard | tar -x -C DIR``) instead of this checkout's, so
+the before/after ratios are measured with the same data, in the same session. The 1-minute load
+average is printed with each round: the CPU is shared, wall times are noisy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import staging_bench as sb
+
+
+def cli(src: Path | None) -> list[str]:
+    if src is None:
+        return [sb.OPGUARD]
+    return [sys.executable, "-c", f"import sys; sys.path.insert(0, {str(src)!r}); from opguard.cli import main; "
+            "sys.argv = ['opguard'] + sys.argv[1:]; main()"]
+
+
+def single_tree(ws: sb.Workspace, rank: int = 0, jsonl_mib: int = 24, jsonl_files: int = 4, bins: int = 100,
+                bin_bytes: int = sb.MiB) -> int:
+    d = ws.rank(rank)
+    rng = random.Random(15 + rank)
+    n = 0
+    for i in range(jsonl_files):
+        n += sb.write_jsonl(d / f"trace.{i}.jsonl", jsonl_mib * sb.MiB, rng)
+    for i in range(bins):
+        n += sb.write_tensor(d / "tensors" / f"t{i:03d}.bin", bin_bytes, seed=rank * 1000 + i)
+    return n
+
+
+def rounds(ws: sb.Workspace, args: list[str], src: Path | None, archive: Path, n: int,
+           tag: str) -> dict[str, object]:
+    ratios, ours_w, base_w, ours_cpu, loads = [], [], [], [], []
+    for i in range(n):
+        base = sb.check(sb.run_shell_tree(f"tar -cf - -C {ws.local} ranks | zstd -q -3 -T1 > {archive} && "
+                                          f"sync {archive}"), "tar | zstd")
+        ws.reset_target()
+        ours = sb.check(sb.run([*cli(src), "sync", *args, "--final", "-q"], ws.env), "opguard sync")
+        load = os.getloadavg()[0]
+        ratios.append(ours.wall / base.wall)
+        ours_w.append(ours.wall)
+        base_w.append(base.wall)
+        ours_cpu.append(ours.cpu)
+        loads.append(load)
+        print(f"  ({tag}) round {i + 1}: opguard {ours.wall:.2f} s ({ours.cpu:.2f} s CPU), tar|zstd+fsync "
+              f"{base.wall:.2f} s ({base.cpu:.2f} s CPU), ratio {ratios[-1]:.2f}, load {load:.1f}", file=sys.stderr)
+    return {"ratio_median": round(statistics.median(ratios), 3), "ratios": [round(r, 3) for r in ratios],
+            "opguard_s_median": round(statistics.median(ours_w), 3),
+            "opguard_cpu_s_median": round(statistics.median(ours_cpu), 3),
+            "baseline_s_median": round(statistics.median(base_w), 3), "loads": [round(x, 1) for x in loads]}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--src", type=Path, default=None, help="run the opguard package under this directory")
+    ap.add_argument("--only", choices=("s", "m"), default=None)
+    ap.add_argument("--json", type=Path, default=None)
+    a = ap.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="opguard-single-"))
+    out: dict[str, object] = {"src": str(a.src) if a.src else "checkout", "load_start": os.getloadavg()[0]}
+    try:
+        if a.only in (None, "s"):
+            ws = sb.Workspace(work, "s")
+            size = single_tree(ws)
+            out["s"] = {"data_MiB": round(size / sb.MiB, 1),
+                        **rounds(ws, ["--rank", "0"], a.src, work / "s.tar.zst", a.rounds, "s")}
+            ws.reset_target()
+            rss = sb.check(sb.run_rss([*cli(a.src), "sync", "--rank", "0", "--final", "-q"], ws.env), "sync")
+            out["s"]["peak_rss_MiB"] = round(rss.maxrss_kib / 1024, 1)  # type: ignore[index]
+            shutil.rmtree(ws.root)
+        if a.only in (None, "m"):
+            ws = sb.Workspace(work, "m")
+            size = sum(single_tree(ws, r, jsonl_mib=3, bins=12) for r in range(8))
+            out["m"] = {"data_MiB": round(size / sb.MiB, 1),
+                        **rounds(ws, ["--all"], a.src, work / "m.tar.zst", a.rounds, "m")}
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    out["load_end"] = os.getloadavg()[0]
+    line = json.dumps(out, sort_keys=True)
+    print(line)
+    if a.json:
+        a.json.write_text(line + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,144 @@
+"""``opguard-run --capture``: what capture would refuse at ``import torch``, checked before the command
+starts (``docs/capture.md`` §1), and the one line per node that says capture is on.
+
+No torch import: the options come from :mod:`opguard.capture.options`; whether the child's
+interpreter has torch is asked of that interpreter (``importlib.util.find_spec``, which does not
+import it).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from opguard.errors import ConfigError
+from opguard.launcher.identity import Identity
+from opguard.staging.config import StagingConfig
+from opguard.staging.layout import RANKS_DIRNAME, Layout
+
+_PYTHON_RE = re.compile(r"^python[0-9.]*$")
+FIND_TORCH = "import importlib.util, sys; sys.exit(0 if importlib.util.find_spec('torch') else 3)"
+PROBE_TIMEOUT_S = 30.0
+
+
+def _options_problem(env: Mapping[str, str]) -> ConfigError | None:
+    from opguard.capture.bootstrap import child_env
+
+    try:
+        child_env(env)
+    except ConfigError as e:
+        return e
+    return None
+
+
+def capture_root(config: StagingConfig | None) -> Path | None:
+    """Where the rank directories (and so the capture directories) of this node live."""
+    if config is None:
+        return None
+    if config.enabled:
+        return config.local_base
+    return config.output_base
+
+
+def _rank_dirs(config: StagingConfig, identity: Identity) -> list[Path]:
+    layout = Layout(config)
+    ranks = identity.owned_ranks()
+    if ranks is not None:
+        return [layout.rank_dir(r) for r in ranks]
+    root = capture_root(config)
+    assert root is not None
+    try:
+        return sorted(p for p in (root / RANKS_DIRNAME).iterdir() if p.is_dir())
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+
+
+def _leftovers(config: StagingConfig | None, identity: Identity) -> list[ConfigError]:
+    if config is None:
+        return []  # the configuration's own problems are reported
+    if capture_root(config) is None:
+        return [ConfigError("--capture needs somewhere to write: OPGUARD_TRACE_OUTPUT_BASE is not set and local "
+                            "staging is off", "export OPGUARD_TRACE_OUTPUT_BASE=/absolute/path (or enable staging)")]
+    held = [d / "capture" for d in _rank_dirs(config, identity) if (d / "capture" / "meta.json").exists()]
+    if not held:
+        return []
+    more = f" (and {len(held) - 1} more)" if len(held) > 1 else ""
+    return [ConfigError(f"{held[0]}{more} already holds a capture (meta.json) from an earlier run: capture would "
+                        "refuse it in every process at `import torch`, after the job started",
+                        "use a new OPGUARD_TRACE_OUTPUT_BASE / OPGUARD_LOCAL_DUMP_TARGET and a fresh "
+                        "OPGUARD_LOCAL_DUMP_BASE for every captured run (or remove the old capture directories)")]
+
+
+def child_interpreter(cmd: Sequence[str], env: Mapping[str, str]) -> str | None:
+    """The Python interpreter the command runs, where that can be told: the command itself when it
+    is ``python*``, else the interpreter of its ``#!`` line when that is ``python*``; else None."""
+    if not cmd:
+        return None
+    exe = cmd[0] if os.sep in cmd[0] else shutil.which(cmd[0], path=env.get("PATH", os.defpath))
+    if exe is None:
+        return None
+    if _PYTHON_RE.match(os.path.basename(exe)):
+        return exe
+    try:
+        with open(exe, "rb") as f:
+            first = f.readline(512)
+    except OSError:
+        return None
+    if not first.startswith(b"#!"):
+        return None
+    parts = first[2:].decode(errors="replace").split()
+    if not parts:
+        return None
+    interp = parts[0]
+    if os.path.basename(interp) == "env" and len(parts) > 1:
+        found = shutil.which(parts[1], path=env.get("PATH", os.defpath))
+        interp = found if found is not None else parts[1]
+    return interp if _PYTHON_RE.match(os.path.basename(interp)) and os.path.isfile(interp) else None
+
+
+def _torch_problem(cmd: Sequence[str], env: Mapping[str, str]) -> ConfigError | None:
+    interp = child_interpreter(cmd, env)
+    if interp is None:
+        return None
+    try:
+        proc = subprocess.run([interp, "-c", FIND_TORCH], env=dict(env), stdin=subprocess.DEVNULL,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=PROBE_TIMEOUT_S,
+                              check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return None  # cannot tell: the child says it itself
+    if proc.returncode != 3:
+        return None
+    return ConfigError(f"--capture: the command's interpreter {interp} cannot import torch: there is nothing to "
+                       "capture", "run the command with the Python of the training environment (the virtualenv "
+                       "that has torch), or drop --capture")
+
+
+def capture_problems(cmd: Sequence[str], env: Mapping[str, str], config: StagingConfig | None,
+                     identity: Identity) -> list[ConfigError]:
+    """Bad capture options, a leftover capture directory, no torch in the child's interpreter."""
+    problems = [p for p in (_options_problem(env),) if p is not None]
+    problems += _leftovers(config, identity)
+    torch = _torch_problem(cmd, env)
+    if torch is not None:
+        problems.append(torch)
+    return problems
+
+
+def start_line(env: Mapping[str, str], config: StagingConfig | None) -> str:
+    """``opguard-run: capture on: ...`` (level, digest mode, selection, where traces go)."""
+    from opguard.capture.options import CaptureOptions
+
+    o = CaptureOptions.from_env(env)
+    sel = [f"{k}={','.join(v)}" for k, v in (("functions", o.functions), ("modules", o.modules),
+                                              ("contexts", o.contexts)) if v]
+    selection = f"steps {o.steps}, " + (" ".join(sel) if sel else "every op")
+    root = capture_root(config)
+    where = f"{root}/{RANKS_DIRNAME}/rank-*/capture/" if root is not None else "(nowhere: not configured)"
+    if config is not None and config.enabled:
+        where += f", published to {config.target}"
+    dumps = f", tensor dumps at steps {o.dump_steps}" if str(o.dump_steps) != "none" else ""
+    return f"opguard-run: capture on: level {o.level}, digest {o.digest}, {selection}{dumps}; traces go to {where}"
