@@ -104,7 +104,8 @@ def test_legacy_sync_tar_gz(tmp_path: Path) -> None:
     export = read_export(out)
     assert len(export.ops) == 16 and all(op.args["status"] == "ok" for op in export.ops)
     # the snapshot holds no source files: both sides fall back to line numbers, and say so
-    assert "lacks source-line digests" in p.stderr
+    assert "call sites identified by file name and line number in train.py: run B has no source" in p.stderr
+    assert all(op.args["callsite"]["identity"].startswith("train.py:line=") for op in export.ops)
 
 
 def test_no_trace_files_is_an_error(tmp_path: Path) -> None:
@@ -140,10 +141,17 @@ def test_nothing_paired_is_an_error_with_the_view_written(tmp_path: Path) -> Non
 
 
 def test_newer_capture_schema_refused(tmp_path: Path) -> None:
+    """Versions 1 and 2 are read; a meta.json or a record of version 3 is refused (exit 6)."""
     cap = synth.write_rank(tmp_path / "a", 0, synth.program())
-    (cap / "meta.json").write_text(json.dumps({"schema": "opguard-capture", "version": 2, "rank": 0}))
+    (cap / "meta.json").write_text(json.dumps({"schema": "opguard-capture", "version": 3, "rank": 0}))
     p = run_compare(tmp_path / "a", tmp_path / "a", tmp_path / "v.pftrace")
-    assert p.returncode == 6 and "version 2" in p.stderr
+    assert p.returncode == 6 and "capture schema version 3; this opguard reads versions 1 to 2" in p.stderr
+    cap = synth.write_rank(tmp_path / "b", 0, synth.program())
+    trace = cap / "trace.jsonl"
+    trace.write_text(trace.read_text().replace('"v": 1,', '"v": 3,', 1))
+    p = run_compare(tmp_path / "b", tmp_path / "b", tmp_path / "v.pftrace")
+    assert p.returncode == 6 and "capture record version 3; this opguard reads versions 1 to 2" in p.stderr
+    assert not (tmp_path / "v.pftrace").exists()
 
 
 def test_bad_record_names_the_line(tmp_path: Path) -> None:
