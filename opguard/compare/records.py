@@ -138,8 +138,16 @@ class Record:
         return anchor_text(self.function, [(s.name, s.digest) for s in self.inputs if s.digest])
 
 
+def unbracket(function: str) -> str:
+    """The reference writes functions as ``<torch.relu>``: drop that one pair of brackets only, so
+    ``<torch.distributed.<anonymous>>`` keeps its inner ``<anonymous>``."""
+    if function.startswith("<") and function.endswith(">"):
+        return function[1:-1]
+    return function
+
+
 def is_collective(function: str) -> bool:
-    f = function.strip("<>")
+    f = unbracket(function)
     return f.startswith(COLLECTIVE_PREFIXES) or ".distributed." in f
 
 
@@ -372,7 +380,7 @@ def reference_file(obj: Mapping[str, Any], line: int | None) -> str | None:
 def from_reference(obj: Mapping[str, Any], sources: SourceIndex | None, where: str) -> Record:
     """A reference trace record (``counter``, ``function``, ``inputs``/``outputs``, ``gpu_rank``)."""
     try:
-        function = str(obj["function"]).strip("<>")
+        function = unbracket(str(obj["function"]))
         line = obj.get("line_num")
         line = line if isinstance(line, int) else None
         file = reference_file(obj, line)

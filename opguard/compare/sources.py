@@ -18,10 +18,12 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import io
 import json
 import os
 import re
 import shutil
+import sys
 import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -361,7 +363,7 @@ def _is_staged(path: Path) -> bool:
 @contextlib.contextmanager
 def open_run(given: str, label: str) -> Iterator[Run]:
     """Resolve ``given`` into a :class:`Run`; a staged target is restored into a temporary dir first."""
-    from opguard.staging.restore import DamagedSource, materialize
+    from opguard.staging.restore import materialize
 
     path = Path(given)
     if not path.exists():
@@ -381,11 +383,20 @@ def open_run(given: str, label: str) -> Iterator[Run]:
             # a lone rank directory (e.g. gpu_003 holding sync.tar.gz) keeps its name: it carries the rank
             dest = Path(tmp) / (path.name if _GPU_DIR.fullmatch(path.name) or _RANK_DIR.fullmatch(path.name)
                                 else "restored")
+            captured = io.StringIO()
             try:
-                materialize(path, dest)
+                with contextlib.redirect_stderr(captured):     # restore's warnings, to say which input
+                    materialize(path, dest)
             except OpguardError as e:
-                cls: type[OpguardError] = IntegrityError if isinstance(e, DamagedSource) else type(e)
-                raise cls(f"compare input {label}: {given} cannot be restored: {e.message}", e.fix) from None
+                # the documented base class (subclasses such as NothingPublished take other arguments)
+                cls: type[OpguardError] = next(
+                    (c for c in (IntegrityError, IdentityError, ConfigError) if isinstance(e, c)), OpguardError)
+                raise cls(f"compare input {label} ({given}) cannot be restored: {e.message}", e.fix) from None
+            finally:
+                for line in captured.getvalue().splitlines():
+                    prefix = "opguard: WARNING: "
+                    text = line[len(prefix):] if line.startswith(prefix) else line
+                    print(f"opguard: WARNING: compare input {label} ({given}): {text}", file=sys.stderr, flush=True)
             run.restored_from = str(path.resolve())
             run.root = dest
         _scan(run, run.root)

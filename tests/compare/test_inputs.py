@@ -89,6 +89,27 @@ def test_reference_v1_bundles_restored_on_the_fly(tmp_path: Path) -> None:
     assert len(rank0) == 8 and all(op.args["status"] == "ok" for op in rank0)
     assert all(op.args["correspondence"]["basis"] == "equal-sequence" for op in rank0)
     assert list(tmp.iterdir()) == []
+    # restore's warning says which input it is about
+    target = REFERENCE / "v1-bundles" / "target"
+    assert f"opguard: WARNING: compare input B ({target}): 1 stream(s) in reference-v1-bundles format are " \
+        "UNSEALED" in p.stderr
+
+
+def test_empty_bundles_directory_one_clear_message(tmp_path: Path) -> None:
+    (tmp_path / "run" / ".opguard-bundles").mkdir(parents=True)
+    p = run_compare(tmp_path / "run", REFERENCE / "identical" / "a", tmp_path / "v.pftrace")
+    assert p.returncode == 5, p.stderr
+    first = p.stderr.splitlines()[0]
+    assert first.startswith(f"opguard: error: compare input A ({tmp_path / 'run'}) cannot be restored: nothing has "
+                            f"been published to {tmp_path / 'run'} yet"), first
+    assert first.count("nothing has been published") == 1 and first.count("there is nothing to restore") == 1
+
+
+def test_reference_function_names_keep_inner_brackets() -> None:
+    from opguard.compare.records import unbracket
+
+    assert unbracket("<torch.distributed.<anonymous>>") == "torch.distributed.<anonymous>"
+    assert unbracket("<torch.relu>") == "torch.relu" and unbracket("torch.relu") == "torch.relu"
 
 
 def test_legacy_sync_tar_gz(tmp_path: Path) -> None:
@@ -135,7 +156,9 @@ def test_nothing_paired_is_an_error_with_the_view_written(tmp_path: Path) -> Non
     out = tmp_path / "v.pftrace"
     p = run_compare(tmp_path / "a", tmp_path / "b", out)
     assert p.returncode == 2
-    assert "nothing was paired" in p.stderr and str(out) in p.stderr
+    assert "nothing was paired: all 8 operations of A and 5 of B stayed undetermined (segment-differs 13;" \
+        in p.stderr and str(out) in p.stderr
+    assert "check that A and B are runs of the same program" not in p.stderr
     assert "undetermined in A: segment-differs 8" in p.stderr
     assert all(op.args["status"] == "unaligned" for op in read_export(out).ops)
 

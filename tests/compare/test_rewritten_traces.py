@@ -44,7 +44,7 @@ def test_fixture_records_are_what_the_rewriter_writes() -> None:
 
 @pytest.mark.parametrize("rank", [0, 1])
 def test_edited_line_pairs_everything_in_place(tmp_path: Path, rank: int) -> None:
-    err, lines, export = _compare("edited-line", tmp_path)
+    err, lines, _export = _compare("edited-line", tmp_path)
     assert _pairs(lines, rank) == [(f"A/rank{rank}/ops/{i}", f"B/rank{rank}/ops/{i}") for i in range(12)]
     for x in lines:
         assert (x["a"]["function"], x["a"]["line"]) == (x["b"]["function"], x["b"]["line"]) == STEP[x["row"] % 6]
