@@ -292,9 +292,8 @@ class OpEncoder:
 
     def site_entry(self, site: Site) -> tuple[bytes, bytes]:
         """(framed callsite/context/collective annotations, TrackEvent name field) of a call site."""
-        fb = site.function.encode("utf-8", "surrogatepass")
         return (self._site_block(site.file, site.line, site.scope, site.line_digest, site.site, site.context,
-                                 site.collective, site.line_map), F.E_NAME + uv(len(fb)) + fb)
+                                 site.collective, site.line_map), self.ann.event_name(site.function))
 
     def capture_op(self, track: int, ts: int, head: tuple[bytes, bytes, bytes], site: tuple[bytes, bytes],
                    index: int, ridb: bytes, obj: dict[str, Any], dumps: dict[int, dict[str, str]],
@@ -354,8 +353,7 @@ class OpEncoder:
         parts.append(slots)
         name = self._fnames.get(rec.function)
         if name is None:
-            fb = rec.function.encode("utf-8", "surrogatepass")
-            name = self._fnames[rec.function] = F.E_NAME + uv(len(fb)) + fb
+            name = self._fnames[rec.function] = self.ann.event_name(rec.function)
         self.w.slice_named(track, ts, name, b"".join(parts), flow_out, flow_in)
         return slots
 

@@ -144,3 +144,31 @@ def test_fast_pass1_equals_the_generic_index(tmp_path: Path) -> None:
     assert idx.all_digests is False and all(e[4] for i, e in enumerate(expect) if i != 6)
     assert list(zip(idx.files, idx.offsets, strict=True)) == [(e[5], e[6]) for e in expect]
     assert [idx.sites[s].key for s in idx.site_ids] == [e[0] for e in expect]
+
+
+def test_repeated_strings_are_interned_once_per_sequence(tmp_path: Path) -> None:
+    """Event names and low-cardinality annotation values (call site, context, dtype, device, bases,
+    states) are Perfetto interned data: written once, referenced by iid (docs/compare.md §5)."""
+    from perfetto.protos.perfetto.trace import perfetto_trace_pb2 as pb
+
+    from opguard.compare.engine import compare
+    from opguard.compare.perfetto_export import read_export
+    from tests.compare import synth
+
+    recs = []
+    for step in range(20):
+        for r in synth.program():
+            recs.append(dict(r, seq=len(recs), step=step))
+    for run in ("a", "b"):
+        synth.write_rank(tmp_path / run, 0, recs)
+    compare(str(tmp_path / "a"), str(tmp_path / "b"), tmp_path / "v.pftrace")
+    data = (tmp_path / "v.pftrace").read_bytes()
+    assert data.count(b"/work/train.py") == 1 and data.count(b"torch.matmul") == 1
+    assert data.count(b"float32") == 1 and data.count(b"equal-sequence") == 1
+    trace = pb.Trace.FromString(data)
+    begins = [p.track_event for p in trace.packet if p.HasField("track_event") and p.track_event.type == 1]
+    assert len(begins) == 320 and all(ev.HasField("name_iid") and not ev.HasField("name") for ev in begins)
+    ops = read_export(tmp_path / "v.pftrace").ops                  # the reader resolves the iids
+    assert {op.name for op in ops} == {"torch.randn", "torch.matmul", "torch.relu", "torch.add", "torch.sum"}
+    mm = next(op for op in ops if op.name == "torch.matmul")
+    assert mm.args["callsite"]["file"] == "/work/train.py" and mm.args["inputs"]["arg0"]["dtype"] == "float32"
