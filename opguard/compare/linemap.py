@@ -116,11 +116,14 @@ def assign_identities(sites_a: Sequence[Site], sites_b: Sequence[Site], lines_a:
         else:
             out_b.append(_with_identity(s, f"{os.path.basename(s.file or '?')}:+{s.line}", NO_COUNTERPART))
     notes = []
-    for side in ("A", "B"):
-        if no_source[side]:
-            shown = ", ".join(sorted(set(no_source[side]))[:8])
-            notes.append(f"call sites identified by file name and line number in {shown}: run {side} has no "
-                         "source of it (a line inserted above a call site changes its identity)")
+    by_sides: dict[str, list[str]] = {}          # "A", "B" or "A and B" -> file names without a source there
+    for name in sorted(set(no_source["A"]) | set(no_source["B"])):
+        sides = " and ".join(s for s in ("A", "B") if name in no_source[s])
+        by_sides.setdefault(sides, []).append(name)
+    for sides, names in by_sides.items():
+        verb = "have" if " and " in sides else "has"
+        notes.append(f"call sites identified by file name and line number in {', '.join(names[:8])}: run {sides} "
+                     f"{verb} no source of it (a line inserted above a call site changes its identity)")
     unmatched = sorted({os.path.basename(f) for f in files_b if f not in counterpart} |
                        {os.path.basename(f) for f in files_a if f not in counterpart.values()})
     if unmatched:

@@ -113,3 +113,12 @@ def test_reference_rewritten_copy_gives_back_the_original_lines() -> None:
                                       "", "y = torch.randn()"]
     assert unwrap("z = opguard_wrapped_x(3)(a.b[0], 1)") == "z = (a.b[0], 1)"     # not a plain callee
     assert recover_original(["import torch", "x = 1"]) == ["import torch", "x = 1"]    # not rewritten
+
+
+def test_no_source_on_either_side_is_one_note(tmp_path: Path) -> None:
+    for run in ("a", "b"):
+        synth.write_rank(tmp_path / run, 0, [synth.op(0, "torch.randn", 2, "x = torch.randn(4)", [], ["d"], file=F)])
+    summary = compare(str(tmp_path / "a"), str(tmp_path / "b"), tmp_path / "v.pftrace")
+    assert summary.streams[(0, "capture")].notes == [
+        "call sites identified by file name and line number in train.py: run A and B have no source of it (a line "
+        "inserted above a call site changes its identity)"]
