@@ -62,6 +62,14 @@ def _records() -> list[dict[str, Any]]:
     r["seq"] = 8
     r["inputs"][0]["digest"] = "d\u00e9j\u00e0"
     recs.append(r)
+    r = copy.deepcopy(base)              # schema v2: arguments and uninitialised entries
+    r["v"] = 2
+    r["args"] = [synth.arg("approximate", "str", "tanh"), synth.arg("dim", "int", -1),
+                 synth.arg("dtype", "dtype", "float32"), synth.arg("out", "none", None),
+                 synth.arg("keep", "bool", True), synth.arg("sizes", "list", list(range(30)))]
+    r["outputs"][0]["uninitialized"] = True
+    r["inputs"][1]["uninitialized"] = True
+    recs.append(r)
     return recs
 
 
@@ -107,6 +115,11 @@ def test_fast_capture_encoding_equals_record_encoding(tmp_path: Path) -> None:
     assert fast[9]["outputs"]["out"]["dump"] == "/r/dumps/8-out.npy"
     assert "seq" not in fast[7] and "inputs" not in fast[7]
     assert fast[8]["collective"] is True and fast[8]["context"].endswith("backward")
+    digest = synth.arg("sizes", "list", list(range(30)))
+    assert fast[10]["args"] == {"approximate": "'tanh'", "dim": "-1", "dtype": "float32", "out": "None",
+                                "keep": "True", "sizes": f"<sha256:{digest['digest']}/{digest['len']}>"}
+    assert fast[10]["outputs"]["out"]["uninitialized"] is True and fast[10]["inputs"]["arg1"]["uninitialized"] is True
+    assert "uninitialized" not in fast[10]["inputs"]["arg0"]
 
 
 @pytest.mark.parametrize("bad", [{"rank": "0"}, {"inputs": [3]}, {"outputs": {"out": {}}}])
