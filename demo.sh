@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # opguard demo (`make demo`): a small CPU torch job as 2 simulated nodes x 2 ranks, each node
 # through `opguard-run torchrun ...`, with node-local staging under ./demo/, periodic syncs every
-# 3 s, a final drain, a verified restore, and a summary. `make demo` first creates .venv (CPU torch).
+# 3 s, a final drain, a verified restore, and a summary; then two captured runs of a small seeded
+# program, the second with one line changed, and `opguard compare` naming that line as the first
+# divergence. `make demo` first creates .venv (CPU torch).
 set -euo pipefail
 cd "$(dirname "$0")"
 ROOT=$PWD
@@ -118,5 +120,54 @@ for node in ("node-a", "node-b"):
           f"({d['published_batches']} batches, sealed {', '.join(d['sealed_streams'])})")
 print(f"  restored tree: {restored}")
 sys.exit(0 if ok else 1)
+EOF
+
+echo "== capture and compare: two captured runs of a seeded program, run b with one line changed"
+CMP=$DEMO/compare
+mkdir -p "$CMP/a" "$CMP/b"
+cat > "$CMP/a/train.py" <<'EOF'
+"""A seeded 2-rank training step (gloo, CPU), captured by `opguard-run --capture` without code changes."""
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+dist.init_process_group("gloo")
+torch.manual_seed(0)
+w1 = torch.randn(32, 64, requires_grad=True)
+w2 = torch.randn(64, 1, requires_grad=True)
+g = torch.Generator().manual_seed(100 + dist.get_rank())
+for step in range(3):
+    x = torch.randn(16, 32, generator=g)
+    h = torch.matmul(x, w1)
+    h = F.gelu(h)
+    loss = torch.matmul(h, w2).pow(2).mean()
+    loss.backward()
+    with torch.no_grad():
+        for p in (w1, w2):
+            dist.all_reduce(p.grad)
+            p -= 0.01 * p.grad
+            p.grad = None
+dist.destroy_process_group()
+EOF
+sed 's/    h = F.gelu(h)/    h = F.gelu(h, approximate="tanh")/' "$CMP/a/train.py" > "$CMP/b/train.py"
+diff "$CMP/a/train.py" "$CMP/b/train.py" | sed 's/^/  /' || true
+for run in a b; do
+  PORT=$("$BIN/python" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+  env -u OPGUARD_LOCAL_DUMP_ENABLED -u OPGUARD_LOCAL_DUMP_TARGET OPGUARD_TRACE_OUTPUT_BASE="$CMP/$run/traces" \
+    "$BIN/opguard-run" --capture "$BIN/torchrun" --nnodes=1 --nproc-per-node=2 --master-addr=127.0.0.1 \
+      --master-port="$PORT" "$CMP/$run/train.py" 2>&1 | sed -u "s/^/[run $run] /"
+done
+echo "== opguard compare a b (the summary leads, per rank, with the first introduced divergence)"
+"$BIN/opguard" compare "$CMP/a/traces" "$CMP/b/traces" -o "$CMP/compare.pftrace" --json "$CMP/compare.json"
+"$BIN/python" - "$CMP/compare.json" <<'EOF'
+import json
+import sys
+
+doc = json.load(open(sys.argv[1]))
+for r in doc["ranks"]:
+    fd = r["first_divergence"]
+    if not fd or fd["function"] != "torch.nn.functional.gelu" or not fd["where"].endswith("train.py:14"):
+        sys.exit(f"demo: rank {r['rank']}: expected the first divergence at the changed gelu line, got {fd}")
+print(f"  every rank's first divergence is the changed line: {fd['function']} at {fd['where']} ({fd['kind']})")
 EOF
 echo "demo: ok"

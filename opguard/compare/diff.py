@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from opguard.compare.records import Record, Slot
+from opguard.compare.records import Record, Slot, arg_changes
 
 OK = "ok"
 MISMATCH = "mismatch"
@@ -26,15 +26,24 @@ STATUSES = (OK, MISMATCH, UNALIGNED)
 @dataclass
 class Diff:
     status: str
-    fields: list[str] = field(default_factory=list)      # e.g. "outputs.out0.digest", "inputs.self.shape"
+    fields: list[str] = field(default_factory=list)      # e.g. "outputs.out0.digest", "args.approximate"
     inputs_equal: bool = True
     numeric: dict[str, dict[str, float]] = field(default_factory=dict)
+    args: list[str] = field(default_factory=list)        # "approximate: 'none' -> 'tanh'" (schema v2)
+    uninitialized: int = 0      # entries marked uninitialized whose recorded content differs (not compared)
+
+    @property
+    def introduced(self) -> bool:
+        """The pair introduced the difference: its arguments differ, or its inputs and arguments
+        are equal and its outputs differ (docs/compare.md §4)."""
+        return self.status == MISMATCH and (bool(self.args) or self.inputs_equal)
 
 
 _OK = Diff(OK)
 
 
-def _compare_slots(kind: str, a: list[Slot], b: list[Slot], out: list[str]) -> list[tuple[Slot, Slot]]:
+def _compare_slots(kind: str, a: list[Slot], b: list[Slot], out: list[str], diff: Diff | None = None
+                   ) -> list[tuple[Slot, Slot]]:
     by_a = {s.name: s for s in a}
     by_b = {s.name: s for s in b}
     differing: list[tuple[Slot, Slot]] = []
@@ -44,8 +53,13 @@ def _compare_slots(kind: str, a: list[Slot], b: list[Slot], out: list[str]) -> l
             out.append(f"{kind}.{name}.present")
             continue
         bad = False
+        uninit = sa.uninitialized or sb.uninitialized
         for attr in ("dtype", "shape", "digest"):
             if getattr(sa, attr) != getattr(sb, attr):
+                if attr == "digest" and uninit:
+                    if diff is not None:
+                        diff.uninitialized += 1      # uninitialised memory: never compared, counted apart
+                    continue
                 out.append(f"{kind}.{name}.{attr}")
                 bad = True
         if bad:
@@ -107,15 +121,18 @@ def dump_errors(pa: str, pb: str) -> dict[str, float]:
 
 
 def diff_pair(a: Record, b: Record) -> Diff:
-    if [s.signature() for s in a.inputs] == [s.signature() for s in b.inputs] and \
+    changes = arg_changes(a.args, b.args)
+    if not changes and [s.signature() for s in a.inputs] == [s.signature() for s in b.inputs] and \
             [s.signature() for s in a.outputs] == [s.signature() for s in b.outputs]:
         return _OK
+    d = Diff(MISMATCH, args=changes)
     fields: list[str] = []
-    _compare_slots("inputs", a.inputs, b.inputs, fields)
+    _compare_slots("inputs", a.inputs, b.inputs, fields, d)
     inputs_equal = not fields
-    differing = _compare_slots("outputs", a.outputs, b.outputs, fields)
+    fields.extend(f"args.{c.split(':', 1)[0]}" for c in changes)
+    differing = _compare_slots("outputs", a.outputs, b.outputs, fields, d)
     if not fields:
-        return Diff(OK)
+        return Diff(OK, uninitialized=d.uninitialized)
     numeric: dict[str, dict[str, float]] = {}
     for sa, sb in differing:
         vals: dict[str, float] = {}
@@ -128,4 +145,5 @@ def diff_pair(a: Record, b: Record) -> Diff:
             vals = _stats_diff(sa.stats, sb.stats)
         if vals:
             numeric[sa.name] = vals
-    return Diff(MISMATCH, fields, inputs_equal, numeric)
+    d.fields, d.inputs_equal, d.numeric = fields, inputs_equal, numeric
+    return d

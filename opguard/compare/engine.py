@@ -8,7 +8,9 @@ number of operations, not their size.
 
 from __future__ import annotations
 
+import fnmatch
 import hashlib
+import json
 import multiprocessing
 import os
 import secrets
@@ -18,15 +20,16 @@ from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from opguard.compare.diff import MISMATCH, OK, UNALIGNED, Diff, diff_pair
+from opguard.compare.linemap import assign_identities
 from opguard.compare.opevents import OpEncoder
 from opguard.compare.pairing import NO_ANCHOR, NO_CORRESPONDING_FILE, Pairing, pair_streams
 from opguard.compare.perfetto_export import ROW_NS, ExportWriter
-from opguard.compare.records import Record, Site
+from opguard.compare.records import Record, Site, Slot
 from opguard.compare.sources import KIND_CAPTURE, Run, Stream, open_run
-from opguard.compare.summary import FirstMismatch, StreamSummary, Summary
+from opguard.compare.summary import ARGS_DIFFER, INHERITED, OUTPUTS_DIFFER, FirstMismatch, StreamSummary, Summary
 from opguard.errors import ConfigError
 
 EXPORT_KIND = "opguard-compare-v1"
@@ -75,17 +78,28 @@ def _index_local(stream: Stream) -> tuple[list[str], _Index]:
         return _table(intern), _Index(keys, line_keys, anchors, coll, all_digests, files, offsets, stream.dumps,
                                       stream.notes, site_ids, sites)
     all_digests = True
-    for key, line_key, text, collective, has_digest, fi, off in stream.index_fields():
-        keys.append(_intern(intern, key))
-        line_keys.append(_intern(intern, line_key))
-        all_digests = all_digests and has_digest
-        anchors.append(anchor_hash(text) if text and not collective else NO_ANCHOR)
-        if collective:
+    ref_ids = array("q")
+    ref_sites: list[Site] = []
+    seen: dict[tuple[Any, ...], int] = {}
+    for rec in stream.reference_records():
+        raw = (rec.function, rec.file, rec.line, rec.context, rec.collective, rec.line_digest)
+        sid = seen.get(raw)
+        if sid is None:
+            sid = seen[raw] = len(ref_sites)
+            ref_sites.append(Site(rec.function, rec.file, rec.line, rec.scope, rec.line_digest, rec.site, rec.context,
+                              rec.collective, rec.key(), rec.line_key()))
+        keys.append(_intern(intern, ref_sites[sid].key))
+        line_keys.append(keys[-1])
+        all_digests = all_digests and rec.line_digest is not None
+        text = rec.anchor_text()
+        anchors.append(anchor_hash(text) if text and not rec.collective else NO_ANCHOR)
+        if rec.collective:
             coll.append(len(keys) - 1)
-        files.append(fi)
-        offsets.append(off)
+        files.append(0)
+        offsets.append(0)
+        ref_ids.append(sid)
     return _table(intern), _Index(keys, line_keys, anchors, coll, all_digests, files, offsets, stream.dumps,
-                                  stream.notes)
+                                  stream.notes, ref_ids, ref_sites)
 
 
 def _table(intern: dict[str, int]) -> list[str]:
@@ -173,6 +187,43 @@ def _where(rec: Record) -> str:
 # ---- pass 2: a range of rows of one stream pair (in this process or a worker) -------------------
 
 @dataclass
+class Select:
+    """``--rank/--step/--function``: which streams are compared (ranks) and which operations the
+    summary's counts, first divergence and the ``--pairs`` listing cover (steps, functions)."""
+
+    ranks: frozenset[int] | None = None
+    steps: frozenset[int] | None = None
+    functions: tuple[str, ...] | None = None     # fnmatch patterns of function names
+
+    @property
+    def per_op(self) -> bool:
+        return self.steps is not None or self.functions is not None
+
+    def op(self, function: str, step: Any) -> bool:
+        if self.steps is not None and step not in self.steps:
+            return False
+        return self.functions is None or any(fnmatch.fnmatchcase(function, f) for f in self.functions)
+
+    def as_json(self) -> dict[str, Any]:
+        return {k: sorted(v) if isinstance(v, frozenset) else list(v)
+                for k, v in (("rank", self.ranks), ("step", self.steps), ("function", self.functions))
+                if v is not None}
+
+
+@dataclass
+class Options:
+    """What a comparison reports besides the export and the summary."""
+
+    select: Select = field(default_factory=Select)
+    pairs: IO[str] | None = None        # --pairs: one JSON line per pair and per unresolved operation
+    show: frozenset[str] = frozenset()  # --show: record_ids whose full evidence is collected
+
+    @property
+    def serial(self) -> bool:
+        return self.pairs is not None or bool(self.show) or self.select.per_op
+
+
+@dataclass
 class _Job:
     sa: Stream
     sb: Stream
@@ -183,6 +234,7 @@ class _Job:
     rows_b: array[int]
     tracks: tuple[int, int]
     flow_base: int
+    opts: Options = field(default_factory=Options)
 
 
 @dataclass
@@ -193,7 +245,12 @@ class _Chunk:
     reasons_b: Counter[str] = field(default_factory=Counter)
     unresolved: int = 0
     first_mismatch: FirstMismatch | None = None
-    first_equal_input_mismatch: FirstMismatch | None = None
+    first_divergence: FirstMismatch | None = None
+    introduced: int = 0
+    inherited: int = 0
+    uninitialized: int = 0
+    last_unresolved: str | None = None
+    shown: list[dict[str, Any]] = field(default_factory=list)
     slices: int = 0
     flows: int = 0
 
@@ -235,9 +292,13 @@ class _Side:
 
     def record(self, item: _Item, index: int) -> Record:
         if isinstance(item, Record):
-            return item
-        fi, n, off, obj = item
-        return self.st.capture_record(obj, index, self.st.where(fi, n, off, self.pos))
+            rec = item
+        else:
+            fi, n, off, obj = item
+            rec = self.st.capture_record(obj, index, self.st.where(fi, n, off, self.pos))
+        site = self.site_objs[self.site_ids[index]]       # the identity this stream pair assigned
+        rec.site, rec.line_map = site.site, site.line_map
+        return rec
 
     def emit(self, ts: int, item: _Item, index: int, rid: bytes, corr: tuple[str, str, str], other: bytes | None,
              d: Diff | None, flow_out: int | None = None, flow_in: int | None = None,
@@ -263,7 +324,43 @@ def _slots_equal(x: _Item, y: _Item, dumps: bool) -> bool:
         return isinstance(x, Record) and isinstance(y, Record) and x.inputs == y.inputs and x.outputs == y.outputs
     a, b = x[3], y[3]
     return not dumps and a.get("inputs") == b.get("inputs") and a.get("outputs") == b.get("outputs") and \
-        a.get("error") == b.get("error")
+        a.get("error") == b.get("error") and a.get("args") == b.get("args")
+
+
+def _module(context: str) -> str | None:
+    m = context.split("|", 1)[0]
+    return None if m in ("", "-") else m
+
+
+def _step(item: _Item) -> Any:
+    return item.step if isinstance(item, Record) else item[3].get("step")
+
+
+def _op_json(side: _Side, item: _Item, index: int) -> dict[str, Any]:
+    site = side.site_objs[side.site_ids[index]]
+    d: dict[str, Any] = {"record": side.rid(index).decode("utf-8", "surrogatepass"), "function": site.function,
+                         "file": site.file, "line": site.line, "identity": site.site,
+                         "module": _module(site.context), "step": _step(item)}
+    if site.line_map is not None:
+        d["line_map"] = site.line_map
+    return d
+
+
+def _evidence(side: _Side, rec: Record) -> dict[str, Any]:
+    def slot(s: Slot) -> dict[str, Any]:
+        fields: list[tuple[str, Any]] = [("digest", s.digest), ("dtype", s.dtype), ("device", s.device),
+                                         ("shape", list(s.shape) if s.shape is not None else None),
+                                         ("stats", s.stats), ("dump", s.dump)]
+        out: dict[str, Any] = {k: v for k, v in fields if v is not None}
+        if s.uninitialized:
+            out["uninitialized"] = True
+        return out
+    return {"record": side.rid(rec.index).decode("utf-8", "surrogatepass"), "function": rec.function,
+            "callsite": {"file": rec.file, "line": rec.line, "scope": rec.scope, "line_sha256": rec.line_digest,
+                         "identity": rec.site, "line_map": rec.line_map},
+            "module": _module(rec.context), "context": rec.context, "step": rec.step, "seq": rec.seq,
+            "args": {a.slot: {"type": a.type, "value": a.show()} for a in rec.args or ()},
+            "inputs": {s.name: slot(s) for s in rec.inputs}, "outputs": {s.name: slot(s) for s in rec.outputs}}
 
 
 def _run_rows(job: _Job, r0: int, r1: int, writer: ExportWriter) -> _Chunk:
@@ -278,6 +375,10 @@ def _run_rows(job: _Job, r0: int, r1: int, writer: ExportWriter) -> _Chunk:
     basis_a, reason_a, reason_b = pairing.basis_a, pairing.reason_a, pairing.reason_b
     ok_corr: dict[str, tuple[str, str, str]] = {}
     status, basis_count = out.status, out.basis
+    opts = job.opts
+    sel = opts.select if opts.select.per_op else None
+    pairs_out, show = opts.pairs, opts.show
+    head = {"rank": sa.rank, "stream": sa.name}
     for row in range(r0, r1):
         i, j = rows_a[row], rows_b[row]
         ts = row * ROW_NS
@@ -286,40 +387,80 @@ def _run_rows(job: _Job, r0: int, r1: int, writer: ExportWriter) -> _Chunk:
             rid_a, rid_b = side_a.rid(i), side_b.rid(j)
             basis = basis_a[i] or ""
             flow = job.flow_base + row + 1
-            if _slots_equal(xa, xb, dumps):
+            selected = sel is None or sel.op(side_a.site_objs[side_a.site_ids[i]].function, _step(xa)) or \
+                sel.op(side_b.site_objs[side_b.site_ids[j]].function, _step(xb))
+            if _slots_equal(xa, xb, dumps) and (not show or (rid_a.decode() not in show and
+                                                          rid_b.decode() not in show)):
                 corr = ok_corr.get(basis)
                 if corr is None:
                     corr = ok_corr[basis] = ("paired", basis, OK)
                 slots = side_a.emit(ts, xa, i, rid_a, corr, rid_b, None, flow_out=flow)
                 side_b.emit(ts, xb, j, rid_b, corr, rid_a, None, flow_in=flow, slots=slots)
-                status[OK] += 1
-                basis_count[basis] += 1
+                if selected:
+                    status[OK] += 1
+                    basis_count[basis] += 1
+                    if pairs_out is not None:
+                        pairs_out.write(json.dumps({**head, "row": row, "status": OK, "basis": basis,
+                                                    "a": _op_json(side_a, xa, i), "b": _op_json(side_b, xb, j)})
+                                        + "\n")
                 continue
             ra, rb = side_a.record(xa, i), side_b.record(xb, j)
             d = diff_pair(ra, rb)
             corr = ("paired", basis, d.status)
             side_a.emit(ts, ra, i, rid_a, corr, rid_b, d, flow_out=flow)
             side_b.emit(ts, rb, j, rid_b, corr, rid_a, d, flow_in=flow)
+            if show and (rid_a.decode() in show or rid_b.decode() in show):
+                out.shown.append({**head, "state": "paired", "basis": basis, "status": d.status,
+                                  "a": _evidence(side_a, ra), "b": _evidence(side_b, rb),
+                                  "diff": None if d.status != MISMATCH else
+                                  {"fields": d.fields, "args": d.args, "inputs_equal": d.inputs_equal,
+                                   "introduced": d.introduced, "numeric": d.numeric},
+                                  "uninitialized_not_compared": d.uninitialized})
+            if not selected:
+                continue
             status[d.status] += 1
             basis_count[basis] += 1
+            out.uninitialized += d.uninitialized
+            if pairs_out is not None:
+                line: dict[str, Any] = {**head, "row": row, "status": d.status, "basis": basis,
+                                        "a": _op_json(side_a, xa, i), "b": _op_json(side_b, xb, j)}
+                if d.status == MISMATCH:
+                    line.update(differs=d.fields, args=d.args, introduced=d.introduced, numeric=d.numeric)
+                if d.uninitialized:
+                    line["uninitialized_not_compared"] = d.uninitialized
+                pairs_out.write(json.dumps(line) + "\n")
             if d.status == MISMATCH:
+                kind = ARGS_DIFFER if d.args else OUTPUTS_DIFFER if d.inputs_equal else INHERITED
                 fm = FirstMismatch(rid_a.decode("utf-8", "surrogatepass"), rid_b.decode("utf-8", "surrogatepass"),
-                                   ra.function, _where(ra), d.fields, d.numeric, out.unresolved)
+                                   ra.function, _where(ra), d.fields, d.numeric, out.unresolved,
+                                   _module(ra.context), ra.step, d.args, kind, _where(rb), out.last_unresolved,
+                                   rb.line_map)
                 if out.first_mismatch is None:
                     out.first_mismatch = fm
-                if d.inputs_equal and out.first_equal_input_mismatch is None:
-                    out.first_equal_input_mismatch = fm
+                if d.introduced:
+                    out.introduced += 1
+                    if out.first_divergence is None:
+                        out.first_divergence = fm
+                else:
+                    out.inherited += 1
             continue
-        if i >= 0:
-            reason = reason_a[i] or ""
-            side_a.emit(ts, next_a(), i, side_a.rid(i), ("undetermined", reason, UNALIGNED), None, None)
-            out.reasons_a[reason] += 1
-        else:
-            reason = reason_b[j] or ""
-            side_b.emit(ts, next_b(), j, side_b.rid(j), ("undetermined", reason, UNALIGNED), None, None)
-            out.reasons_b[reason] += 1
+        side, x, k = (side_a, next_a(), i) if i >= 0 else (side_b, next_b(), j)
+        reason = (reason_a[i] if i >= 0 else reason_b[j]) or ""
+        side.emit(ts, x, k, side.rid(k), ("undetermined", reason, UNALIGNED), None, None)
+        if show and side.rid(k).decode() in show:
+            out.shown.append({**head, "state": "undetermined", "reason": reason, "status": UNALIGNED,
+                              side.run.lower(): _evidence(side, side.record(x, k))})
+        site = side.site_objs[side.site_ids[k]]
+        if sel is not None and not sel.op(site.function, _step(x)):
+            continue
+        (out.reasons_a if i >= 0 else out.reasons_b)[reason] += 1
         status[UNALIGNED] += 1
         out.unresolved += 1
+        loc = f"{site.file or '?'}:{site.line if site.line is not None else '?'}"
+        out.last_unresolved = f"run {side.run} {site.function} at {loc} ({side.rid(k).decode()}, {reason})"
+        if pairs_out is not None:
+            pairs_out.write(json.dumps({**head, "row": row, "status": UNALIGNED, "reason": reason,
+                                        side.run.lower(): _op_json(side, x, k)}) + "\n")
     out.slices, out.flows = writer.slices, writer.flows
     return out
 
@@ -382,25 +523,25 @@ def _pass1(sa: Stream, sb: Stream, intern: dict[str, int], parallel: bool) -> tu
 
 
 def _compare_stream(writer: ExportWriter, sa: Stream, sb: Stream, tracks: tuple[int, int], summ: StreamSummary,
-                    intern: dict[str, int], flow_base: int) -> int:
+                    intern: dict[str, int], flow_base: int, opts: Options, shown: list[dict[str, Any]]) -> int:
     """Pair and export one stream pair; returns the number of rows (flow ids used)."""
     global _FORK_JOB
     n_workers = workers()
-    big = n_workers > 1 and sa.kind == sb.kind == KIND_CAPTURE and \
+    big = n_workers > 1 and not opts.serial and sa.kind == sb.kind == KIND_CAPTURE and \
         sum(p.stat().st_size for p in (*sa.files, *sb.files)) > PARALLEL_MIN_OPS * 500
     ia, ib = _pass1(sa, sb, intern, big)
-    if not (ia.all_digests and ib.all_digests):
-        # identities must be comparable: without source-line digests on a side, both use line numbers
-        ia.keys, ib.keys = ia.line_keys, ib.line_keys
-        missing = " and ".join(s for s, i in (("A", ia), ("B", ib)) if not i.all_digests)
-        summ.notes.append(f"call sites identified by file name and line number: run {missing} lacks source-line "
-                          "digests (lines inserted elsewhere in a file change these identities)")
+    # call-site identities from the line correspondence of each file's two versions (docs/compare.md §2)
+    ia.sites, ib.sites, notes = assign_identities(ia.sites, ib.sites, sa.sources.lines, sb.sources.lines)
+    summ.notes.extend(notes)
+    for idx in (ia, ib):
+        site_keys = [_intern(intern, s.key) for s in idx.sites]
+        idx.keys = array("q", [site_keys[s] for s in idx.site_ids])
     _collective_anchors(ia, ib)
     pairing = pair_streams(ia.keys, ib.keys, ia.anchors, ib.anchors)
     summ.ops_a, summ.ops_b = len(ia.keys), len(ib.keys)
     summ.notes.extend([*(f"run A: {n}" for n in sa.notes), *(f"run B: {n}" for n in sb.notes)])
     rows_a, rows_b = pairing.row_arrays()
-    job = _Job(sa, sb, ia, ib, pairing, rows_a, rows_b, tracks, flow_base)
+    job = _Job(sa, sb, ia, ib, pairing, rows_a, rows_b, tracks, flow_base, opts)
     n = len(rows_a)
     if big:
         bounds = [n * k // n_workers for k in range(n_workers + 1)]
@@ -421,17 +562,25 @@ def _compare_stream(writer: ExportWriter, sa: Stream, sb: Stream, tracks: tuple[
     else:
         chunks = [_run_rows(job, 0, n, writer)]
     unresolved = 0
+    last_unresolved: str | None = None
     for c in chunks:
         summ.status.update(c.status)
         summ.basis.update(c.basis)
         summ.reasons_a.update(c.reasons_a)
         summ.reasons_b.update(c.reasons_b)
-        for attr in ("first_mismatch", "first_equal_input_mismatch"):
+        for attr in ("first_mismatch", "first_divergence"):
             fm: FirstMismatch | None = getattr(c, attr)
             if fm is not None and getattr(summ, attr) is None:
                 fm.unresolved_before += unresolved
+                if fm.nearest_unresolved is None:
+                    fm.nearest_unresolved = last_unresolved
                 setattr(summ, attr, fm)
+        summ.introduced += c.introduced
+        summ.inherited += c.inherited
+        summ.uninitialized += c.uninitialized
+        shown.extend(c.shown)
         unresolved += c.unresolved
+        last_unresolved = c.last_unresolved or last_unresolved
     return n
 
 
@@ -458,13 +607,22 @@ def _describe(run: Run) -> str:
     return f"{run.given} ({run.kind}): {shown}"
 
 
-def compare(a: str, b: str, out: Path) -> Summary:
+def compare(a: str, b: str, out: Path, opts: Options | None = None) -> Summary:
     """Compare runs A and B, write the Perfetto view to OUT, return the summary.
 
     Raises ConfigError when there is nothing to compare (no trace files, no corresponding files) or
     when nothing at all was paired (the view is still written, for inspection).
     """
+    opts = opts or Options()
     with open_run(a, "A") as run_a, open_run(b, "B") as run_b:
+        ranks = opts.select.ranks
+        if ranks is not None:
+            have = sorted({r for r, _ in run_a.streams} | {r for r, _ in run_b.streams})
+            if not ranks & set(have):
+                raise ConfigError(f"--rank {','.join(map(str, sorted(ranks)))}: no such rank in A or B "
+                                  f"(they have ranks {', '.join(map(str, have))})", "pass a rank that ran")
+            for run in (run_a, run_b):
+                run.streams = {k: v for k, v in run.streams.items() if k[0] in ranks}
         common = sorted(run_a.streams.keys() & run_b.streams.keys())
         if not common:
             raise ConfigError(
@@ -480,7 +638,7 @@ def compare(a: str, b: str, out: Path) -> Summary:
             "opguard.input_b.sha256": run_b.digest(),
         }
         writer = ExportWriter(out, attributes)
-        summary = Summary(export_path=str(out))
+        summary = Summary(export_path=str(out), inputs={"A": a, "B": b}, filters=opts.select.as_json())
         try:
             flow_base = 0
             top_a = writer.track(f"run A: {a}", order=0, description=attributes["opguard.input_a.path"])  # type: ignore[arg-type]
@@ -494,7 +652,7 @@ def compare(a: str, b: str, out: Path) -> Summary:
                 summ = summary.stream(rank, name)
                 if key in run_a.streams and key in run_b.streams:
                     flow_base += _compare_stream(writer, run_a.streams[key], run_b.streams[key], (ta, tb), summ,
-                                                 intern, flow_base)
+                                                 intern, flow_base, opts, summary.shown)
                 elif key in run_a.streams:
                     summary.only_a.append(key)
                     _export_only(writer, "A", run_a.streams[key], ta, summ)
@@ -509,11 +667,30 @@ def compare(a: str, b: str, out: Path) -> Summary:
 
 
 def check_paired(summary: Summary) -> None:
-    if summary.pairs == 0:
-        raise ConfigError(
-            f"nothing was paired: every operation is undetermined (the view was written to {summary.export_path} "
-            "for inspection)",
-            "check that A and B are runs of the same program; see the reasons per rank above and docs/compare.md")
+    """Nothing paired at all is an error (exit 2) saying why: no operations recorded, or the
+    reasons the operations stayed undetermined."""
+    if summary.pairs > 0:
+        return
+    ops_a = sum(s.ops_a for s in summary.streams.values())
+    ops_b = sum(s.ops_b for s in summary.streams.values())
+    where = f"the view was written to {summary.export_path} for inspection"
+    if summary.filters and (ops_a or ops_b) and summary.total("unaligned") == 0:
+        raise ConfigError(f"nothing was paired within the selection {summary.filters} ({where})",
+                          "widen --step/--function, or drop them to see every operation")
+    if ops_a == 0 or ops_b == 0:
+        empty = " and ".join(s for s, n in (("A", ops_a), ("B", ops_b)) if n == 0)
+        raise ConfigError(f"nothing was paired: run {empty} recorded no operations ({where})",
+                          f"check that capture was on for run {empty} (opguard-run --capture) and that the "
+                          "program reached the traced code")
+    reasons: Counter[str] = Counter()
+    for s in summary.streams.values():
+        reasons.update(s.reasons_a)
+        reasons.update(s.reasons_b)
+    detail = ", ".join(f"{k} {v}" for k, v in reasons.most_common())
+    raise ConfigError(
+        f"nothing was paired: all {ops_a} operations of A and {ops_b} of B stayed undetermined ({detail}; {where})",
+        "order pairs only equal call-site sequences, and anchors need inputs captured equally on both sides; "
+        "docs/compare.md §2-3 explains each reason")
 
 
-__all__ = ["MISMATCH", "OK", "UNALIGNED", "check_paired", "compare"]
+__all__ = ["MISMATCH", "OK", "UNALIGNED", "Options", "Select", "check_paired", "compare"]

@@ -20,7 +20,7 @@ from opguard.compare.perfetto_export import ExportWriter
 from opguard.compare.protoenc import N_SMALL as _NU
 from opguard.compare.protoenc import SMALL_VARINTS as _U
 from opguard.compare.protoenc import F, uv, varint
-from opguard.compare.records import Record, Site, Slot, capture_stats
+from opguard.compare.records import Arg, Record, Site, Slot, capture_args, capture_stats
 
 _E = F.E_ANNOTATION
 _DD = F.D_DICT
@@ -109,13 +109,15 @@ class OpEncoder:
         return h
 
     def _site_block(self, file: str | None, line: int | None, scope: str | None, line_digest: str | None,
-                    ident: str, context: str, collective: bool) -> bytes:
+                    ident: str, context: str, collective: bool, line_map: str | None = None) -> bytes:
         """Framed callsite, context and collective annotations, cached per distinct call site."""
-        key = ("site", file, line, scope, line_digest, ident, context, collective)
+        key = ("site", file, line, scope, line_digest, ident, context, collective, line_map)
         b = self._blocks.get(key)
         if b is None:
             cs: dict[str, Any] = {"file": file, "line": line, "scope": scope, "line_sha256": line_digest,
                                   "identity": ident}
+            if line_map is not None:
+                cs["line_map"] = line_map
             b = _frame(self.ann.value("callsite", cs))
             if context:
                 b += _frame(self._cs("context", context))
@@ -173,6 +175,10 @@ class OpEncoder:
         args[1::2] = stats.values()
         return pre + st.pack(*args)
 
+    def _args(self, args: tuple[Arg, ...] | None) -> bytes:
+        """The framed ``args`` annotation (schema v2): argument slot -> its value as shown."""
+        return _frame(self.ann.value("args", {a.slot: a.show() for a in args or ()}))
+
     # ---- slots ----
     def _slot(self, s: Slot) -> bytes:
         name, meta = self._slot_head(s.name, s.dtype, s.shape, s.device)
@@ -184,7 +190,13 @@ class OpEncoder:
             out.append(self._sb("dump", s.dump.encode("utf-8", "surrogatepass")))
         if s.stats:
             out.append(self._stats(s.stats))
+        if s.uninitialized:
+            out.append(self._uninit())
         return b"".join(out)
+
+    def _uninit(self) -> bytes:
+        e = self._cs("uninitialized", True)
+        return _DD + uv(len(e)) + e
 
     def _raw_slots(self, kind: str, raw: Any, prefix: str, dumps: dict[str, str] | None,
                    error: Any = None) -> bytes:
@@ -237,6 +249,8 @@ class OpEncoder:
                     norm = capture_stats(st)
                     if norm:
                         b += self._stats(norm)
+            if s.get("uninitialized") is True:
+                b += self._uninit()
             n = len(b)
             out.append(_DD + (_U[n] if n < _NU else uv(n)) + b)
         if error:
@@ -268,16 +282,18 @@ class OpEncoder:
         parts.append(_E + uv(len(c)) + c)
         parts.append(tail)
         if diff is not None and diff.status == MISMATCH:
-            dd: dict[str, object] = {"fields": ", ".join(diff.fields), "inputs_equal": diff.inputs_equal}
+            dd: dict[str, object] = {"fields": ", ".join(diff.fields), "inputs_equal": diff.inputs_equal,
+                                     "introduced": diff.introduced}
+            if diff.args:
+                dd["args"] = "; ".join(diff.args)
             dd.update(diff.numeric)
             parts.append(_frame(self.ann.value("diff", dd)))
         return ridb, parts
 
     def site_entry(self, site: Site) -> tuple[bytes, bytes]:
         """(framed callsite/context/collective annotations, TrackEvent name field) of a call site."""
-        fb = site.function.encode("utf-8", "surrogatepass")
         return (self._site_block(site.file, site.line, site.scope, site.line_digest, site.site, site.context,
-                                 site.collective), F.E_NAME + uv(len(fb)) + fb)
+                                 site.collective, site.line_map), self.ann.event_name(site.function))
 
     def capture_op(self, track: int, ts: int, head: tuple[bytes, bytes, bytes], site: tuple[bytes, bytes],
                    index: int, ridb: bytes, obj: dict[str, Any], dumps: dict[int, dict[str, str]],
@@ -313,6 +329,9 @@ class OpEncoder:
             d = dumps.get(seq) if dumps else None
             slots = self._raw_slots("inputs", obj.get("inputs"), "in", d) + \
                 self._raw_slots("outputs", obj.get("outputs"), "out", d, obj.get("error"))
+        raw_args = obj.get("args")
+        if raw_args:
+            parts.append(self._args(capture_args(raw_args)))
         parts.append(slots)
         self.w.slice_named(track, ts, site[1], b"".join(parts), flow_out, flow_in)
         return slots
@@ -322,18 +341,19 @@ class OpEncoder:
            slots: bytes | None = None) -> bytes:
         """Emit the slice of a :class:`Record`; returns (and takes) slots as :meth:`capture_op` does."""
         block = self._site_block(rec.file, rec.line, rec.scope, rec.line_digest, rec.site, rec.context,
-                                 rec.collective)
+                                 rec.collective, rec.line_map)
         _ridb, parts = self._common(run, stream, rec.rank, rec.index, rec.seq, rec.step, block, corr, other, diff)
         if slots is None:
             ins = [self._slot(s) for s in rec.inputs]
             outs = [self._slot(s) for s in rec.outputs]
             slots = (_frame(self._dict("inputs", ins)) if ins else b"") + \
                 (_frame(self._dict("outputs", outs)) if outs else b"")
+        if rec.args:
+            parts.append(self._args(rec.args))
         parts.append(slots)
         name = self._fnames.get(rec.function)
         if name is None:
-            fb = rec.function.encode("utf-8", "surrogatepass")
-            name = self._fnames[rec.function] = F.E_NAME + uv(len(fb)) + fb
+            name = self._fnames[rec.function] = self.ann.event_name(rec.function)
         self.w.slice_named(track, ts, name, b"".join(parts), flow_out, flow_in)
         return slots
 

@@ -94,7 +94,7 @@ class ExportWriter:
     def slice_framed(self, track: int, ts: int, name: str, framed: bytes, *,
                      flows_out: Sequence[int] = (), flows_in: Sequence[int] = ()) -> None:
         """A slice whose annotations are already framed as TrackEvent.debug_annotations fields."""
-        ev = [vfield(F.E_TYPE, F.SLICE_BEGIN), vfield(F.E_TRACK, track), ld(F.E_NAME, name.encode()), framed]
+        ev = [vfield(F.E_TYPE, F.SLICE_BEGIN), vfield(F.E_TRACK, track), self.ann.event_name(name), framed]
         for f in flows_out:
             ev.append(F.E_FLOW + struct.pack("<Q", f))
             self.flows += 1
@@ -225,16 +225,26 @@ def read_export(path: Path) -> Export:
         raise ConfigError(f"{path} is not a Perfetto protobuf trace ({e})",
                           "pass a file written by `opguard compare -o`") from None
     names_by_seq: dict[int, dict[int, str]] = {}     # interned names are per packet sequence
+    strings_by_seq: dict[int, dict[int, str]] = {}
+    events_by_seq: dict[int, dict[int, str]] = {}
     attributes: dict[str, Any] = {}
     tracks: dict[int, dict[str, Any]] = {}
     ops: list[ExportedOp] = []
     for p in trace.packet:
         names = names_by_seq.setdefault(p.trusted_packet_sequence_id, {})
+        strings = strings_by_seq.setdefault(p.trusted_packet_sequence_id, {})
+        events = events_by_seq.setdefault(p.trusted_packet_sequence_id, {})
         if p.sequence_flags & F.SEQ_INCREMENTAL_STATE_CLEARED:
             names.clear()
+            strings.clear()
+            events.clear()
         if p.HasField("interned_data"):
             for n in p.interned_data.debug_annotation_names:
                 names[n.iid] = n.name
+            for s in p.interned_data.debug_annotation_string_values:
+                strings[s.iid] = s.str.decode("utf-8", "surrogatepass")
+            for en in p.interned_data.event_names:
+                events[en.iid] = en.name
         if p.HasField("trace_attributes"):
             for a in p.trace_attributes.attribute:
                 attributes[a.key] = a.string_value if a.HasField("string_value") else a.long_value
@@ -245,8 +255,9 @@ def read_export(path: Path) -> Export:
                               "order": t.sibling_order_rank if t.HasField("sibling_order_rank") else None}
         if p.HasField("track_event") and p.track_event.type == F.SLICE_BEGIN:
             ev = p.track_event
-            args = dict(decode_annotation(a, names) for a in ev.debug_annotations)
-            ops.append(ExportedOp(ev.track_uuid, p.timestamp, ev.name, args, list(ev.flow_ids),
+            args = dict(decode_annotation(a, names, strings) for a in ev.debug_annotations)
+            name = ev.name if ev.HasField("name") else events.get(ev.name_iid, f"#{ev.name_iid}")
+            ops.append(ExportedOp(ev.track_uuid, p.timestamp, name, args, list(ev.flow_ids),
                                   list(ev.terminating_flow_ids)))
     if "opguard.export" not in attributes:
         raise ConfigError(f"{path} is a Perfetto trace but not an opguard compare export",

@@ -102,23 +102,55 @@ class F:
     I_ANNOTATION_NAMES = tag(_num(pb.InternedData, "debug_annotation_names"), LEN)
     N_IID = tag(_num(pb.DebugAnnotationName, "iid"), VARINT)
     N_NAME = tag(_num(pb.DebugAnnotationName, "name"), LEN)
+    I_STRING_VALUES = tag(_num(pb.InternedData, "debug_annotation_string_values"), LEN)
+    S_IID = tag(_num(pb.InternedString, "iid"), VARINT)
+    S_STR = tag(_num(pb.InternedString, "str"), LEN)
+    I_EVENT_NAMES = tag(_num(pb.InternedData, "event_names"), LEN)
+    EN_IID = tag(_num(pb.EventName, "iid"), VARINT)
+    EN_NAME = tag(_num(pb.EventName, "name"), LEN)
+    E_NAME_IID = tag(_num(pb.TrackEvent, "name_iid"), VARINT)
     # DebugAnnotation
     D_NAME_IID = tag(_num(pb.DebugAnnotation, "name_iid"), VARINT)
     D_BOOL = tag(_num(pb.DebugAnnotation, "bool_value"), VARINT)
     D_INT = tag(_num(pb.DebugAnnotation, "int_value"), VARINT)
     D_DOUBLE = tag(_num(pb.DebugAnnotation, "double_value"), I64)
     D_STRING = tag(_num(pb.DebugAnnotation, "string_value"), LEN)
+    D_STRING_IID = tag(_num(pb.DebugAnnotation, "string_value_iid"), VARINT)
     D_DICT = tag(_num(pb.DebugAnnotation, "dict_entries"), LEN)
     SEQ_INCREMENTAL_STATE_CLEARED = int(pb.TracePacket.SEQ_INCREMENTAL_STATE_CLEARED)
     SEQ_NEEDS_INCREMENTAL_STATE = int(pb.TracePacket.SEQ_NEEDS_INCREMENTAL_STATE)
 
 
 class Annotations:
-    """Debug annotations with interned names; ``take_new_names()`` yields the InternedData bytes."""
+    """Debug annotations with interned names and string values, and interned event names (Perfetto's
+    InternedData, per packet sequence); ``take_new_names()`` yields the InternedData bytes of what
+    was interned since the last call (written in the packet that first uses it)."""
 
     def __init__(self) -> None:
         self._iid: dict[str, bytes] = {}
+        self._sv: dict[str, bytes] = {}
+        self._events: dict[str, bytes] = {}
         self.pending: list[bytes] = []
+
+    def sv(self, value: str) -> bytes:
+        """The encoded (interned) string value field of an annotation."""
+        b = self._sv.get(value)
+        if b is None:
+            iid = len(self._sv) + 1
+            b = self._sv[value] = F.D_STRING_IID + uv(iid)
+            self.pending.append(ld(F.I_STRING_VALUES, F.S_IID + uv(iid) +
+                                   ld(F.S_STR, value.encode("utf-8", "surrogatepass"))))
+        return b
+
+    def event_name(self, name: str) -> bytes:
+        """The encoded (interned) TrackEvent name field."""
+        b = self._events.get(name)
+        if b is None:
+            iid = len(self._events) + 1
+            b = self._events[name] = F.E_NAME_IID + uv(iid)
+            self.pending.append(ld(F.I_EVENT_NAMES, F.EN_IID + uv(iid) +
+                                   ld(F.EN_NAME, name.encode("utf-8", "surrogatepass"))))
+        return b
 
     def name(self, name: str) -> bytes:
         """The encoded (interned) name field of an annotation."""
@@ -141,6 +173,10 @@ class Annotations:
         return out
 
     def s(self, name: str, value: str) -> bytes:
+        """A string annotation, its value interned (use :meth:`inline` for values seen once)."""
+        return self._name(name) + self.sv(value)
+
+    def inline(self, name: str, value: str) -> bytes:
         return self._name(name) + ld(F.D_STRING, value.encode("utf-8", "surrogatepass"))
 
     def i(self, name: str, value: int) -> bytes:
@@ -168,12 +204,16 @@ class Annotations:
         return self.s(name, str(v))
 
 
-def decode_annotation(a: Any, names: dict[int, str]) -> tuple[str, Any]:
-    """(name, value) of a parsed DebugAnnotation; dict entries become Python dicts."""
+def decode_annotation(a: Any, names: dict[int, str], strings: dict[int, str] | None = None) -> tuple[str, Any]:
+    """(name, value) of a parsed DebugAnnotation; dict entries become Python dicts; interned string
+    values are looked up in ``strings``."""
     name = a.name if a.HasField("name") else names.get(a.name_iid, f"#{a.name_iid}")
     which = a.WhichOneof("value")
     if which is None and len(a.dict_entries):
-        return name, dict(decode_annotation(e, names) for e in a.dict_entries)
+        return name, dict(decode_annotation(e, names, strings) for e in a.dict_entries)
     if which is None:
         return name, {}
+    if which == "string_value_iid":
+        iid = a.string_value_iid
+        return name, (strings or {}).get(iid, f"#{iid}")
     return name, getattr(a, which)

@@ -25,6 +25,68 @@ from opguard.errors import ConfigError
 COLLECTIVE_PREFIXES = ("torch.distributed.", "dist.", "c10d.", "_c10d_functional.", "torch.ops.c10d")
 
 
+@dataclass(slots=True, frozen=True)
+class Arg:
+    """One non-tensor argument of a schema-v2 ``op`` record (docs/capture.md §3): equal iff slot,
+    type and value (or digest, for a long value) are equal."""
+
+    slot: str
+    type: str
+    value: str          # the canonical JSON text of the value, or "sha256:<digest>/<len>"
+    digest: bool = False
+
+    def show(self) -> str:
+        """The value as a user reads it: ``'tanh'``, ``1.5``, ``None``, or the digest of a long one."""
+        if self.digest:
+            return f"<{self.value}>"
+        try:
+            v = json.loads(self.value)
+        except ValueError:
+            return self.value
+        if self.type == "none":
+            return "None"
+        if isinstance(v, str) and self.type in ("str", "dtype", "device", "layout", "memory_format", "enum",
+                                                "object"):
+            return repr(v) if self.type == "str" else v
+        if isinstance(v, bool):
+            return "True" if v else "False"
+        return self.value
+
+
+def capture_args(raw: Any) -> tuple[Arg, ...] | None:
+    """The ``args`` list of a schema-v2 op record (None when absent)."""
+    if raw is None:
+        return None
+    out = []
+    for e in raw:
+        slot, typ = str(e["slot"]), str(e["type"])
+        if "digest" in e:
+            out.append(Arg(slot, typ, f"sha256:{e['digest']}/{e.get('len')}", True))
+        else:
+            out.append(Arg(slot, typ, json.dumps(e.get("value"), sort_keys=True, separators=(",", ":"))))
+    return tuple(out)
+
+
+def arg_changes(a: tuple[Arg, ...] | None, b: tuple[Arg, ...] | None) -> list[str]:
+    """What differs between two argument lists, per slot in B's order then A's:
+    ``approximate: 'none' -> 'tanh'``, ``alpha: absent -> 1.5``, ``dim: 1 -> absent``."""
+    if a == b:
+        return []
+    by_a = {x.slot: x for x in a or ()}
+    by_b = {x.slot: x for x in b or ()}
+    out = []
+    for slot in [*by_a, *(s for s in by_b if s not in by_a)]:
+        xa, xb = by_a.get(slot), by_b.get(slot)
+        if xa == xb:
+            continue
+        sa = "absent" if xa is None else xa.show()
+        sb = "absent" if xb is None else xb.show()
+        if xa is not None and xb is not None and xa.type != xb.type:
+            sa, sb = f"{sa} ({xa.type})", f"{sb} ({xb.type})"
+        out.append(f"{slot}: {sa} -> {sb}")
+    return out
+
+
 @dataclass(slots=True)
 class Slot:
     """One captured tensor (or value) of an operation."""
@@ -36,9 +98,10 @@ class Slot:
     device: str | None = None
     stats: dict[str, float] | None = None
     dump: str | None = None           # path of a tensor dump, when one exists
+    uninitialized: bool = False       # schema v2: uninitialised memory, its content is never compared
 
     def signature(self) -> tuple[Any, ...]:
-        return (self.name, self.digest, self.dtype, self.shape)
+        return (self.name, self.digest, self.dtype, self.shape, self.uninitialized)
 
 
 @dataclass(slots=True)
@@ -59,6 +122,8 @@ class Record:
     collective: bool = False
     inputs: list[Slot] = field(default_factory=list)
     outputs: list[Slot] = field(default_factory=list)
+    line_map: str | None = None       # how B's line corresponds to A's (docs/compare.md §2), evidence
+    args: tuple[Arg, ...] | None = None   # schema v2: non-tensor arguments, in argument order
 
     def key(self) -> str:
         """The call-site key that order-based pairing compares (rank is equal within a stream)."""
@@ -73,8 +138,16 @@ class Record:
         return anchor_text(self.function, [(s.name, s.digest) for s in self.inputs if s.digest])
 
 
+def unbracket(function: str) -> str:
+    """The reference writes functions as ``<torch.relu>``: drop that one pair of brackets only, so
+    ``<torch.distributed.<anonymous>>`` keeps its inner ``<anonymous>``."""
+    if function.startswith("<") and function.endswith(">"):
+        return function[1:-1]
+    return function
+
+
 def is_collective(function: str) -> bool:
-    f = function.strip("<>")
+    f = unbracket(function)
     return f.startswith(COLLECTIVE_PREFIXES) or ".distributed." in f
 
 
@@ -90,16 +163,20 @@ def stripped_line_digest(text: str) -> str:
 
 
 class SourceIndex:
-    """Source files by path (for line digests and occurrence numbers); never exported per operation."""
+    """Source files by path (for the line correspondence of docs/compare.md §2); never exported per
+    operation. ``rewritten``: the copies are the reference implementation's rewritten sources, whose
+    original lines are recovered (§2.1)."""
 
-    def __init__(self) -> None:
+    def __init__(self, rewritten: bool = False) -> None:
         self._lines: dict[str, list[str] | None] = {}
         self.files: dict[str, Path] = {}
+        self.rewritten = rewritten
 
     def add(self, original: str, copy: Path) -> None:
         self.files.setdefault(original, copy)
 
-    def _get(self, original: str) -> list[str] | None:
+    def lines(self, original: str) -> list[str] | None:
+        """The lines of the file that ran (None: no copy)."""
         if original not in self._lines:
             copy = self.files.get(original)
             lines: list[str] | None = None
@@ -108,26 +185,25 @@ class SourceIndex:
                     lines = copy.read_text(encoding="utf-8", errors="replace").splitlines()
                 except OSError:
                     lines = None
+            if lines is not None and self.rewritten:
+                from opguard.compare.linemap import recover_original
+
+                lines = recover_original(lines)
             self._lines[original] = lines
         return self._lines[original]
 
-    def digest_and_occurrence(self, file: str, line: int,
-                              digest: str | None = None) -> tuple[str | None, int | None]:
-        """(digest of the stripped line, how many earlier lines of the file have the same text)."""
-        lines = self._get(file)
+    def line_digest(self, file: str, line: int) -> str | None:
+        """SHA-256 of the stripped text of a line of the file that ran (evidence), None if unknown."""
+        lines = self.lines(file)
         if lines is None or not 1 <= line <= len(lines):
-            return digest, None
-        text = lines[line - 1].strip()
-        own = stripped_line_digest(text)
-        if digest is not None and digest != own:
-            return digest, None          # the copy is not the file that ran: no occurrence number
-        k = sum(1 for t in lines[: line - 1] if t.strip() == text)
-        return own, k
+            return None
+        return stripped_line_digest(lines[line - 1])
 
 
 # ---- opguard capture records (docs/capture.md, trace schema version 1) ----------------------------
 
-CAPTURE_VERSION = 1
+CAPTURE_VERSION = 2            # the newest capture trace schema this opguard reads (1 and 2)
+CAPTURE_VERSIONS = (1, 2)
 EMPTY_SHA256 = hashlib.sha256(b"").hexdigest()
 
 
@@ -158,7 +234,8 @@ def _str(v: Any) -> str | None:
 def capture_slot(raw: Mapping[str, Any], default_name: str) -> Slot:
     stats = raw.get("stats")
     return Slot(str(raw.get("slot", default_name)), _str(raw.get("digest")), _str(raw.get("dtype")),
-                _shape(raw.get("shape")), _str(raw.get("device")), None if stats is None else capture_stats(stats))
+                _shape(raw.get("shape")), _str(raw.get("device")), None if stats is None else capture_stats(stats),
+                uninitialized=raw.get("uninitialized") is True)
 
 
 def capture_context(obj: Mapping[str, Any]) -> str:
@@ -183,6 +260,7 @@ class Site:
     collective: bool
     key: str
     line_key: str
+    line_map: str | None = None
 
 
 class SiteCache:
@@ -206,16 +284,12 @@ class SiteCache:
         digest = obj.get("src")
         if digest == EMPTY_SHA256 or not isinstance(digest, str):
             digest = None            # the source line was unavailable when captured
-        occurrence = None
-        if self.sources is not None and file and isinstance(line, int):
-            digest, occurrence = self.sources.digest_and_occurrence(file, line, digest)
         function = str(obj["fn"])
-        ident = line_site(file, line, digest, occurrence)
+        ident = line_site(file, line, None, None)      # provisional: linemap.assign_identities decides
         context = capture_context(obj)
+        key = f"{function}\x00{ident}\x00{context}"
         return Site(function, file, line, obj.get("func"), digest, ident, context,
-                    obj.get("api") == "collective" or is_collective(function),
-                    f"{function}\x00{ident}\x00{context}",
-                    f"{function}\x00{line_site(file, line, None, None)}\x00{context}")
+                    obj.get("api") == "collective" or is_collective(function), key, key)
 
 
 def anchor_text(function: str, pairs: list[tuple[str, str]]) -> str | None:
@@ -246,7 +320,7 @@ def from_capture(obj: Mapping[str, Any], index: int, sites: SiteCache, where: st
             outputs.append(Slot(name="error", digest=str(obj["error"])))
         return Record(obj["rank"], index, site.function, site.site, site.file, site.line, site.scope,
                       site.line_digest, site.context, obj.get("seq"), obj.get("step"), site.collective,
-                      inputs, outputs)
+                      inputs, outputs, site.line_map, capture_args(obj.get("args")))
     except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise ConfigError(f"{where}: not an opguard capture op record ({type(e).__name__}: {e})",
                           "pass a trace directory written by opguard capture (docs/capture.md)") from None
@@ -277,21 +351,42 @@ def _ref_slots(value: Any, path: str, out: list[Slot]) -> None:
             _ref_slots(v, f"{path}[{i}]", out)
 
 
+def reference_file(obj: Mapping[str, Any], line: int | None) -> str | None:
+    """A reference record's call-site file (docs/compare.md §2.1): ``fname`` when it is a file path,
+    else the ``stack_trace`` frame at ``line_num`` (the first frame if none is), else the only key of
+    ``source_files`` (with several keys, the others are files like torch's ``module.py``)."""
+    files = obj.get("source_files")
+    fname = obj.get("fname")
+    if isinstance(fname, str) and (fname.endswith(".py") or (isinstance(files, Mapping) and fname in files)):
+        return fname
+    st = obj.get("stack_trace")
+    if isinstance(st, str) and st.strip():
+        frames: list[tuple[str, int]] = []
+        for text in st.strip().splitlines():
+            head = text.split(" in ", 1)[0]
+            path, _, num = head.rpartition(":")
+            if path and num.isdigit():
+                frames.append((path, int(num)))
+        for path, at in frames:
+            if at == line:
+                return path
+        if frames:
+            return frames[0][0]
+    if isinstance(files, Mapping) and len(files) == 1:
+        return str(next(iter(files)))
+    return None
+
+
 def from_reference(obj: Mapping[str, Any], sources: SourceIndex | None, where: str) -> Record:
     """A reference trace record (``counter``, ``function``, ``inputs``/``outputs``, ``gpu_rank``)."""
     try:
-        function = str(obj["function"]).strip("<>")
+        function = unbracket(str(obj["function"]))
         line = obj.get("line_num")
         line = line if isinstance(line, int) else None
-        files = obj.get("source_files")
-        file: str | None = None
-        if isinstance(files, Mapping) and files:
-            file = str(next(iter(files)))
-        elif isinstance(obj.get("stack_trace"), str) and obj["stack_trace"].strip():
-            file = obj["stack_trace"].strip().splitlines()[-1].split(":")[0]
-        digest = occurrence = None
+        file = reference_file(obj, line)
+        digest = None
         if sources is not None and file and line is not None:
-            digest, occurrence = sources.digest_and_occurrence(file, line)
+            digest = sources.line_digest(file, line)
         inputs: list[Slot] = []
         raw_in = obj.get("inputs") or {}
         if isinstance(raw_in, Mapping):
@@ -301,7 +396,7 @@ def from_reference(obj: Mapping[str, Any], sources: SourceIndex | None, where: s
         outputs: list[Slot] = []
         _ref_slots(obj.get("outputs"), "out", outputs)
         return Record(
-            rank=int(obj["gpu_rank"]), index=-1, function=function, site=line_site(file, line, digest, occurrence),
+            rank=int(obj["gpu_rank"]), index=-1, function=function, site=line_site(file, line, None, None),
             file=file, line=line, line_digest=digest, seq=int(obj["counter"]), collective=is_collective(function),
             inputs=inputs, outputs=outputs)
     except (KeyError, TypeError, ValueError) as e:

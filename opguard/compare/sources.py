@@ -18,10 +18,12 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import io
 import json
 import os
 import re
 import shutil
+import sys
 import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -32,6 +34,7 @@ from orjson import loads as orjson_loads
 
 from opguard.compare.records import (
     CAPTURE_VERSION,
+    CAPTURE_VERSIONS,
     Record,
     SiteCache,
     SourceIndex,
@@ -68,6 +71,7 @@ class Stream:
     rank_dir: Path = Path()
     dumps: dict[int, dict[str, str]] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    meta_notes: list[str] = field(default_factory=list)     # from meta.json (schema v2 ``notes``)
     sites: SiteCache = field(init=False)
 
     def __post_init__(self) -> None:
@@ -88,7 +92,7 @@ class Stream:
         from_start = start == (0, 0)
         expect_seq: int | None = None
         if from_start:
-            self.notes.clear()
+            self.notes[:] = self.meta_notes
         ended = False
         rank = self.rank
         for fi in range(start[0], len(self.files)):
@@ -113,9 +117,9 @@ class Stream:
                             raise bad_line(path, n, here, first, e) from None
                     if obj.__class__ is not dict:
                         raise bad_line(path, n, here, first, None)
-                    if obj.get("v") != CAPTURE_VERSION:
+                    if obj.get("v") not in CAPTURE_VERSIONS:
                         raise IdentityError(f"{jsonl_where(path, n, here, first)}: capture record version "
-                                            f"{obj.get('v')!r}; this opguard reads version {CAPTURE_VERSION}",
+                                            f"{obj.get('v')!r}; this opguard reads versions 1 to {CAPTURE_VERSION}",
                                             "upgrade opguard to compare this run")
                     kind = obj.get("kind")
                     if kind == "op":
@@ -148,7 +152,7 @@ class Stream:
         """Per operation: (key, line key, anchor text, collective, has a source-line digest, file index,
         byte offset); reading it also collects the stream's dumps and notes."""
         if self.kind == KIND_REFERENCE:
-            for rec in self._reference_records():
+            for rec in self.reference_records():
                 yield (rec.key(), rec.line_key(), rec.anchor_text(), rec.collective, rec.line_digest is not None,
                        0, 0)
             return
@@ -175,14 +179,14 @@ class Stream:
         """Operations in execution order; ``first``/``start``: resume at operation ``first``, which
         begins at ``start`` = (file index, byte offset) (capture streams; from index_fields)."""
         if self.kind == KIND_REFERENCE:
-            for rec in self._reference_records():
+            for rec in self.reference_records():
                 if rec.index >= first:
                     yield rec
             return
         for index, (fi, n, offset, obj) in enumerate(self.capture_ops(start), first):
             yield self.capture_record(obj, index, self.where(fi, n, offset, start))
 
-    def _reference_records(self) -> Iterator[Record]:
+    def reference_records(self) -> Iterator[Record]:
         recs: list[Record] = []
         for path in self.files:
             for n, _off, obj in iter_jsonl(path):
@@ -246,13 +250,15 @@ def _capture_streams(run: Run, ranks_dir: Path) -> None:
                 run.skipped.append(rank_dir.name)
             continue
         rank = int(m[1])
-        _check_meta(cap / "meta.json", rank)
+        meta_notes: list[str] = []
+        _check_meta(cap / "meta.json", rank, meta_notes)
         segs = _segments([p for p in cap.iterdir() if p.is_file()]).get(str(cap / "trace.jsonl"), [])
         run.streams[(rank, CAPTURE_STREAM)] = Stream(KIND_CAPTURE, rank, CAPTURE_STREAM, segs,
-                                                     _capture_sources(rank_dir), rank_dir)
+                                                     _capture_sources(rank_dir), rank_dir,
+                                                     meta_notes=meta_notes)
 
 
-def _check_meta(path: Path, rank: int) -> None:
+def _check_meta(path: Path, rank: int, notes: list[str]) -> None:
     try:
         meta = json.loads(path.read_text())
     except FileNotFoundError:
@@ -261,8 +267,10 @@ def _check_meta(path: Path, rank: int) -> None:
         raise ConfigError(f"{path} is unreadable ({e})", "restore the rank directory again") from None
     version = meta.get("version") if isinstance(meta, dict) else None
     if not isinstance(version, int) or version > CAPTURE_VERSION:
-        raise IdentityError(f"{path}: capture schema version {version!r}; this opguard reads version "
+        raise IdentityError(f"{path}: capture schema version {version!r}; this opguard reads versions 1 to "
                             f"{CAPTURE_VERSION}", "upgrade opguard to compare this run")
+    for note in meta.get("notes") or ():          # schema v2: capture's own notes (docs/capture.md §2.1)
+        notes.append(f"capture: {note}")
     if meta.get("rank") != rank:
         raise ConfigError(f"{path}: rank {meta.get('rank')!r} in the directory of rank {rank}",
                           "a rank directory must hold only its own rank's capture")
@@ -270,7 +278,8 @@ def _check_meta(path: Path, rank: int) -> None:
 
 def _capture_sources(rank_dir: Path) -> SourceIndex:
     """Copies of the files in capture/sources.json (docs/capture.md §9) found in the rank's ``_node/``
-    (restored node metadata), matched by name and SHA-256."""
+    (restored node metadata), matched by name and SHA-256, or else the listed file itself while its
+    SHA-256 is still the recorded one (docs/compare.md §2)."""
     index = SourceIndex()
     try:
         data = json.loads((rank_dir / CAPTURE_DIR / "sources.json").read_text())
@@ -281,17 +290,23 @@ def _capture_sources(rank_dir: Path) -> SourceIndex:
         if isinstance(f, dict) and isinstance(f.get("path"), str) and isinstance(f.get("sha256"), str):
             wanted[os.path.basename(f["path"])] = (f["path"], f["sha256"])
     node = rank_dir / "_node"
-    if not wanted or not node.is_dir():
-        return index
-    for cand in node.rglob("*"):
-        hit = wanted.get(cand.name)
-        if hit and cand.is_file() and hashlib.sha256(cand.read_bytes()).hexdigest() == hit[1]:
-            index.add(hit[0], cand)
+    if node.is_dir():
+        for cand in node.rglob("*"):
+            hit = wanted.get(cand.name)
+            if hit and cand.is_file() and hashlib.sha256(cand.read_bytes()).hexdigest() == hit[1]:
+                index.add(hit[0], cand)
+    for path, sha in wanted.values():
+        if path not in index.files:
+            try:
+                if hashlib.sha256(Path(path).read_bytes()).hexdigest() == sha:
+                    index.add(path, Path(path))
+            except OSError:
+                pass
     return index
 
 
 def _reference_sources(exec_trace: Path, gpu_dir: Path) -> SourceIndex:
-    index = SourceIndex()
+    index = SourceIndex(rewritten=True)
     for base in (gpu_dir, exec_trace):
         fi = base / "source_files" / "file_index.json"
         try:
@@ -348,7 +363,7 @@ def _is_staged(path: Path) -> bool:
 @contextlib.contextmanager
 def open_run(given: str, label: str) -> Iterator[Run]:
     """Resolve ``given`` into a :class:`Run`; a staged target is restored into a temporary dir first."""
-    from opguard.staging.restore import DamagedSource, materialize
+    from opguard.staging.restore import materialize
 
     path = Path(given)
     if not path.exists():
@@ -368,11 +383,20 @@ def open_run(given: str, label: str) -> Iterator[Run]:
             # a lone rank directory (e.g. gpu_003 holding sync.tar.gz) keeps its name: it carries the rank
             dest = Path(tmp) / (path.name if _GPU_DIR.fullmatch(path.name) or _RANK_DIR.fullmatch(path.name)
                                 else "restored")
+            captured = io.StringIO()
             try:
-                materialize(path, dest)
+                with contextlib.redirect_stderr(captured):     # restore's warnings, to say which input
+                    materialize(path, dest)
             except OpguardError as e:
-                cls: type[OpguardError] = IntegrityError if isinstance(e, DamagedSource) else type(e)
-                raise cls(f"compare input {label}: {given} cannot be restored: {e.message}", e.fix) from None
+                # the documented base class (subclasses such as NothingPublished take other arguments)
+                cls: type[OpguardError] = next(
+                    (c for c in (IntegrityError, IdentityError, ConfigError) if isinstance(e, c)), OpguardError)
+                raise cls(f"compare input {label} ({given}) cannot be restored: {e.message}", e.fix) from None
+            finally:
+                for line in captured.getvalue().splitlines():
+                    prefix = "opguard: WARNING: "
+                    text = line[len(prefix):] if line.startswith(prefix) else line
+                    print(f"opguard: WARNING: compare input {label} ({given}): {text}", file=sys.stderr, flush=True)
             run.restored_from = str(path.resolve())
             run.root = dest
         _scan(run, run.root)

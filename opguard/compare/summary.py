@@ -1,13 +1,19 @@
-"""The terminal summary of a comparison (stderr; ``docs/compare.md`` §6)."""
+"""The summary of a comparison: stderr text and ``--json`` (``docs/compare.md`` §6)."""
 
 from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Any
 
 CAVEAT = ("caveat: unresolved operations precede it in this stream; an observed first diff after unresolved "
           "events may not be the earliest actual divergence — investigate caller/callee, upstream writes and "
           "downstream consumers, or retain the ambiguity")
+
+ARGS_DIFFER = "arguments differ"
+OUTPUTS_DIFFER = "outputs differ, inputs and arguments equal"
+INHERITED = "inputs differ (inherited)"
+JSON_VERSION = 1
 
 
 @dataclass
@@ -15,10 +21,38 @@ class FirstMismatch:
     record_a: str
     record_b: str
     function: str
-    where: str                 # file:line (evidence)
+    where: str                 # file:line (evidence; A's)
     fields: list[str]
     numeric: dict[str, dict[str, float]]
     unresolved_before: int     # unresolved operations earlier in the stream (either side)
+    module: str | None = None
+    step: int | None = None
+    args: list[str] = field(default_factory=list)
+    kind: str = INHERITED
+    where_b: str = ""
+    nearest_unresolved: str | None = None    # the last unresolved operation before it, described
+    line_map_b: str | None = None             # how B's line corresponds to A's (docs/compare.md §2)
+
+    def describe(self) -> str:
+        what = "; ".join(self.args) if self.args else ", ".join(self.fields)
+        nums = "; ".join(f"{slot}: " + ", ".join(f"{k}={v:.6g}" for k, v in vals.items())
+                         for slot, vals in self.numeric.items())
+        at = self.where if not self.where_b or self.where_b == self.where else f"{self.where} (B: {self.where_b})"
+        if self.line_map_b and not self.line_map_b.startswith(("same", "shifted")):
+            at += f" [B's line: {self.line_map_b}]"
+        ctx = []
+        if self.module:
+            ctx.append(f"module {self.module}")
+        ctx.append(f"step {self.step if self.step is not None else '?'}")
+        return (f"{self.function} at {at}, {', '.join(ctx)} ({self.record_a} <-> {self.record_b}): {self.kind}: "
+                f"{what}" + (f"; {nums}" if nums else ""))
+
+    def as_json(self) -> dict[str, Any]:
+        return {"record_a": self.record_a, "record_b": self.record_b, "function": self.function,
+                "where": self.where, "where_b": self.where_b or self.where, "module": self.module, "step": self.step,
+                "kind": self.kind, "args": self.args, "fields": self.fields, "numeric": self.numeric,
+                "unresolved_before": self.unresolved_before, "nearest_unresolved": self.nearest_unresolved,
+                "line_map_b": self.line_map_b}
 
 
 @dataclass
@@ -32,12 +66,27 @@ class StreamSummary:
     reasons_a: Counter[str] = field(default_factory=Counter)
     reasons_b: Counter[str] = field(default_factory=Counter)
     first_mismatch: FirstMismatch | None = None
-    first_equal_input_mismatch: FirstMismatch | None = None
+    first_divergence: FirstMismatch | None = None               # the first introduced divergence
+    introduced: int = 0
+    inherited: int = 0
+    uninitialized: int = 0      # entries marked uninitialized whose content differs (never compared)
     notes: list[str] = field(default_factory=list)
 
     @property
     def pairs(self) -> int:
         return self.status["ok"] + self.status["mismatch"]
+
+    def as_json(self) -> dict[str, Any]:
+        return {"rank": self.rank, "stream": self.stream, "ops_a": self.ops_a, "ops_b": self.ops_b,
+                "pairs": self.pairs, "ok": self.status["ok"], "mismatch": self.status["mismatch"],
+                "unaligned": self.status["unaligned"], "basis": dict(sorted(self.basis.items())),
+                "undetermined_a": dict(sorted(self.reasons_a.items())),
+                "undetermined_b": dict(sorted(self.reasons_b.items())),
+                "introduced": self.introduced, "inherited": self.inherited,
+                "uninitialized_not_compared": self.uninitialized,
+                "first_divergence": self.first_divergence.as_json() if self.first_divergence else None,
+                "first_mismatch": self.first_mismatch.as_json() if self.first_mismatch else None,
+                "notes": list(self.notes)}
 
 
 @dataclass
@@ -47,6 +96,9 @@ class Summary:
     only_b: list[tuple[int, str]] = field(default_factory=list)
     export_path: str = ""
     export_bytes: int = 0
+    inputs: dict[str, str] = field(default_factory=dict)
+    filters: dict[str, Any] = field(default_factory=dict)
+    shown: list[dict[str, Any]] = field(default_factory=list)     # --show: full evidence of chosen records
 
     def stream(self, rank: int, name: str) -> StreamSummary:
         key = (rank, name)
@@ -61,6 +113,16 @@ class Summary:
     def total(self, status: str) -> int:
         return sum(s.status[status] for s in self.streams.values())
 
+    def as_json(self) -> dict[str, Any]:
+        """The ``--json`` document (docs/compare.md §6)."""
+        return {"version": JSON_VERSION, "a": self.inputs.get("A"), "b": self.inputs.get("B"),
+                "export": self.export_path, "export_bytes": self.export_bytes,
+                "pairs": self.pairs, "ok": self.total("ok"), "mismatch": self.total("mismatch"),
+                "unaligned": self.total("unaligned"), "filters": self.filters,
+                "ranks": [self.streams[k].as_json() for k in sorted(self.streams)],
+                "only_in_a": [{"rank": r, "stream": n} for r, n in self.only_a],
+                "only_in_b": [{"rank": r, "stream": n} for r, n in self.only_b]}
+
     def render(self) -> str:
         lines = [f"opguard compare: {self.pairs} pairs (ok {self.total('ok')}, mismatch {self.total('mismatch')}), "
                  f"{self.total('unaligned')} unaligned operations; view: {self.export_path} "
@@ -73,24 +135,32 @@ class Summary:
             lines.append(f"rank {s.rank} [{s.stream}]: A {s.ops_a} ops, B {s.ops_b} ops; paired {s.pairs} "
                          f"(ok {s.status['ok']}, mismatch {s.status['mismatch']}; basis: {basis}); "
                          f"unaligned {s.status['unaligned']}")
+            fd = s.first_divergence
+            if fd is not None:
+                lines.append(f"  first divergence: {fd.describe()}")
+                if fd.unresolved_before:
+                    lines.append(f"    {CAVEAT} ({fd.unresolved_before} unresolved before it)")
+            elif s.first_mismatch is not None:
+                fm = s.first_mismatch
+                lines.append("  no introduced divergence among the pairs: every mismatch inherited different inputs "
+                             f"(or its inputs were not captured); the first: {fm.describe()}")
+                if fm.nearest_unresolved:
+                    lines.append(f"    the last unresolved operation before it: {fm.nearest_unresolved}")
+                if fm.unresolved_before:
+                    lines.append(f"    {CAVEAT} ({fm.unresolved_before} unresolved before it)")
+            elif s.pairs:
+                lines.append("  no divergence: every pair's compared fields agree")
+            if s.status["mismatch"]:
+                lines.append(f"  mismatches: {s.introduced} introduced, {s.inherited} inherited (inputs differ)")
+            if s.first_mismatch is not None and fd is not None and s.first_mismatch.record_a != fd.record_a:
+                lines.append(f"  first mismatch (in execution order): {s.first_mismatch.describe()}")
+            if s.uninitialized:
+                lines.append(f"  {s.uninitialized} entries marked uninitialized differ in content: never compared")
             lines.extend(f"  note: {n}" for n in s.notes)
             for side, reasons in (("A", s.reasons_a), ("B", s.reasons_b)):
                 if reasons:
                     detail = ", ".join(f"{k} {v}" for k, v in sorted(reasons.items()))
                     lines.append(f"  undetermined in {side}: {detail}")
-            for label, fm in (("first mismatch", s.first_mismatch),
-                              ("first mismatch with equal captured inputs", s.first_equal_input_mismatch)):
-                if fm is None:
-                    continue
-                nums = "; ".join(f"{slot}: " + ", ".join(f"{k}={v:.6g}" for k, v in vals.items())
-                                 for slot, vals in fm.numeric.items())
-                lines.append(f"  {label}: {fm.function} at {fm.where} ({fm.record_a} <-> {fm.record_b}); "
-                             f"differs: {', '.join(fm.fields)}" + (f"; {nums}" if nums else ""))
-                if fm.unresolved_before:
-                    lines.append(f"    {CAVEAT} ({fm.unresolved_before} unresolved before it)")
-            if s.first_mismatch is not None and s.first_equal_input_mismatch is None:
-                lines.append("  no mismatch with equal captured inputs: every mismatch here inherited different inputs "
-                             "(or its inputs were not captured)")
         for side, keys in (("A", self.only_a), ("B", self.only_b)):
             for rank, name in keys:
                 lines.append(f"rank {rank} [{name}]: only in run {side} — its operations are undetermined "

@@ -14,11 +14,11 @@ REFERENCE = FIXTURES / "reference"
 OPGUARD = [str(Path(sys.executable).parent / "opguard")]
 
 
-def run_compare(a: Path | str, b: Path | str, out: Path, env: dict[str, str] | None = None
-                ) -> subprocess.CompletedProcess[str]:
+def run_compare(a: Path | str, b: Path | str, out: Path, env: dict[str, str] | None = None,
+                extra: list[str] | None = None) -> subprocess.CompletedProcess[str]:
     e = dict(os.environ if env is None else env)
-    return subprocess.run([*OPGUARD, "compare", str(a), str(b), "-o", str(out)], capture_output=True, text=True,
-                          env=e, timeout=300)
+    return subprocess.run([*OPGUARD, "compare", str(a), str(b), "-o", str(out), *(extra or [])], capture_output=True,
+                          text=True, env=e, timeout=300)
 
 
 def ops_of(export: Export, run: str, rank: int = 0) -> list[ExportedOp]:

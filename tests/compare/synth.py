@@ -1,4 +1,4 @@
-"""Capture-schema (docs/capture.md v1) trace writers for tests and the benchmark.
+"""Capture-schema (docs/capture.md v1 and v2) trace writers for tests and the benchmark.
 
 These write records in the documented schema directly; tests over real captures use
 opguard.capture itself (test_real_capture.py).
@@ -34,18 +34,30 @@ def op(seq: int, fn: str, line: int, text: str, inputs: list[str], outputs: list
                          "device": "cpu", "digest": d, "stats": st} for i, d in enumerate(outputs)]}
 
 
-def write_rank(base: Path, rank: int, records: Iterable[dict[str, Any]], *, end: bool = True) -> Path:
+def write_rank(base: Path, rank: int, records: Iterable[dict[str, Any]], *, end: bool = True, version: int = 1,
+               meta: dict[str, Any] | None = None) -> Path:
+    """One rank's capture directory; ``version=2`` writes schema v2 (meta.json and every record's ``v``)."""
     cap = base / "ranks" / f"rank-{rank:06d}" / "capture"
     cap.mkdir(parents=True, exist_ok=True)
-    (cap / "meta.json").write_text(json.dumps({"schema": "opguard-capture", "version": 1, "rank": rank}))
+    (cap / "meta.json").write_text(json.dumps({"schema": "opguard-capture", "version": version, "rank": rank,
+                                               **(meta or {})}))
     n = 0
     with open(cap / "trace.jsonl", "w") as f:
         for r in records:
-            f.write(json.dumps(r) + "\n")
+            f.write(json.dumps(dict(r, v=version)) + "\n")
             n += 1
         if end:
-            f.write(json.dumps({"v": 1, "kind": "end", "rank": rank, "records": n, "cap_reached": False}) + "\n")
+            f.write(json.dumps({"v": version, "kind": "end", "rank": rank, "records": n, "cap_reached": False})
+                    + "\n")
     return cap
+
+
+def arg(slot: str, typ: str, value: Any) -> dict[str, Any]:
+    """A schema-v2 ``args`` entry (docs/capture.md §3; the contract's 64-character digest rule)."""
+    text = json.dumps(value, sort_keys=True, separators=(",", ":"))
+    if len(text) > 64:
+        return {"slot": slot, "type": typ, "digest": hashlib.sha256(text.encode()).hexdigest()[:16], "len": len(text)}
+    return {"slot": slot, "type": typ, "value": value}
 
 
 def program(variant: str = "base", rank: int = 0) -> list[dict[str, Any]]:

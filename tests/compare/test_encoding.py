@@ -62,6 +62,14 @@ def _records() -> list[dict[str, Any]]:
     r["seq"] = 8
     r["inputs"][0]["digest"] = "d\u00e9j\u00e0"
     recs.append(r)
+    r = copy.deepcopy(base)              # schema v2: arguments and uninitialised entries
+    r["v"] = 2
+    r["args"] = [synth.arg("approximate", "str", "tanh"), synth.arg("dim", "int", -1),
+                 synth.arg("dtype", "dtype", "float32"), synth.arg("out", "none", None),
+                 synth.arg("keep", "bool", True), synth.arg("sizes", "list", list(range(30)))]
+    r["outputs"][0]["uninitialized"] = True
+    r["inputs"][1]["uninitialized"] = True
+    recs.append(r)
     return recs
 
 
@@ -107,6 +115,11 @@ def test_fast_capture_encoding_equals_record_encoding(tmp_path: Path) -> None:
     assert fast[9]["outputs"]["out"]["dump"] == "/r/dumps/8-out.npy"
     assert "seq" not in fast[7] and "inputs" not in fast[7]
     assert fast[8]["collective"] is True and fast[8]["context"].endswith("backward")
+    digest = synth.arg("sizes", "list", list(range(30)))
+    assert fast[10]["args"] == {"approximate": "'tanh'", "dim": "-1", "dtype": "float32", "out": "None",
+                                "keep": "True", "sizes": f"<sha256:{digest['digest']}/{digest['len']}>"}
+    assert fast[10]["outputs"]["out"]["uninitialized"] is True and fast[10]["inputs"]["arg1"]["uninitialized"] is True
+    assert "uninitialized" not in fast[10]["inputs"]["arg0"]
 
 
 @pytest.mark.parametrize("bad", [{"rank": "0"}, {"inputs": [3]}, {"outputs": {"out": {}}}])
@@ -144,3 +157,31 @@ def test_fast_pass1_equals_the_generic_index(tmp_path: Path) -> None:
     assert idx.all_digests is False and all(e[4] for i, e in enumerate(expect) if i != 6)
     assert list(zip(idx.files, idx.offsets, strict=True)) == [(e[5], e[6]) for e in expect]
     assert [idx.sites[s].key for s in idx.site_ids] == [e[0] for e in expect]
+
+
+def test_repeated_strings_are_interned_once_per_sequence(tmp_path: Path) -> None:
+    """Event names and low-cardinality annotation values (call site, context, dtype, device, bases,
+    states) are Perfetto interned data: written once, referenced by iid (docs/compare.md §5)."""
+    from perfetto.protos.perfetto.trace import perfetto_trace_pb2 as pb
+
+    from opguard.compare.engine import compare
+    from opguard.compare.perfetto_export import read_export
+    from tests.compare import synth
+
+    recs = []
+    for step in range(20):
+        for r in synth.program():
+            recs.append(dict(r, seq=len(recs), step=step))
+    for run in ("a", "b"):
+        synth.write_rank(tmp_path / run, 0, recs)
+    compare(str(tmp_path / "a"), str(tmp_path / "b"), tmp_path / "v.pftrace")
+    data = (tmp_path / "v.pftrace").read_bytes()
+    assert data.count(b"/work/train.py") == 1 and data.count(b"torch.matmul") == 1
+    assert data.count(b"float32") == 1 and data.count(b"equal-sequence") == 1
+    trace = pb.Trace.FromString(data)
+    begins = [p.track_event for p in trace.packet if p.HasField("track_event") and p.track_event.type == 1]
+    assert len(begins) == 320 and all(ev.HasField("name_iid") and not ev.HasField("name") for ev in begins)
+    ops = read_export(tmp_path / "v.pftrace").ops                  # the reader resolves the iids
+    assert {op.name for op in ops} == {"torch.randn", "torch.matmul", "torch.relu", "torch.add", "torch.sum"}
+    mm = next(op for op in ops if op.name == "torch.matmul")
+    assert mm.args["callsite"]["file"] == "/work/train.py" and mm.args["inputs"]["arg0"]["dtype"] == "float32"

@@ -89,6 +89,27 @@ def test_reference_v1_bundles_restored_on_the_fly(tmp_path: Path) -> None:
     assert len(rank0) == 8 and all(op.args["status"] == "ok" for op in rank0)
     assert all(op.args["correspondence"]["basis"] == "equal-sequence" for op in rank0)
     assert list(tmp.iterdir()) == []
+    # restore's warning says which input it is about
+    target = REFERENCE / "v1-bundles" / "target"
+    assert f"opguard: WARNING: compare input B ({target}): 1 stream(s) in reference-v1-bundles format are " \
+        "UNSEALED" in p.stderr
+
+
+def test_empty_bundles_directory_one_clear_message(tmp_path: Path) -> None:
+    (tmp_path / "run" / ".opguard-bundles").mkdir(parents=True)
+    p = run_compare(tmp_path / "run", REFERENCE / "identical" / "a", tmp_path / "v.pftrace")
+    assert p.returncode == 5, p.stderr
+    first = p.stderr.splitlines()[0]
+    assert first.startswith(f"opguard: error: compare input A ({tmp_path / 'run'}) cannot be restored: nothing has "
+                            f"been published to {tmp_path / 'run'} yet"), first
+    assert first.count("nothing has been published") == 1 and first.count("there is nothing to restore") == 1
+
+
+def test_reference_function_names_keep_inner_brackets() -> None:
+    from opguard.compare.records import unbracket
+
+    assert unbracket("<torch.distributed.<anonymous>>") == "torch.distributed.<anonymous>"
+    assert unbracket("<torch.relu>") == "torch.relu" and unbracket("torch.relu") == "torch.relu"
 
 
 def test_legacy_sync_tar_gz(tmp_path: Path) -> None:
@@ -104,7 +125,8 @@ def test_legacy_sync_tar_gz(tmp_path: Path) -> None:
     export = read_export(out)
     assert len(export.ops) == 16 and all(op.args["status"] == "ok" for op in export.ops)
     # the snapshot holds no source files: both sides fall back to line numbers, and say so
-    assert "lacks source-line digests" in p.stderr
+    assert "call sites identified by file name and line number in train.py: run B has no source" in p.stderr
+    assert all(op.args["callsite"]["identity"].startswith("train.py:line=") for op in export.ops)
 
 
 def test_no_trace_files_is_an_error(tmp_path: Path) -> None:
@@ -134,16 +156,25 @@ def test_nothing_paired_is_an_error_with_the_view_written(tmp_path: Path) -> Non
     out = tmp_path / "v.pftrace"
     p = run_compare(tmp_path / "a", tmp_path / "b", out)
     assert p.returncode == 2
-    assert "nothing was paired" in p.stderr and str(out) in p.stderr
+    assert "nothing was paired: all 8 operations of A and 5 of B stayed undetermined (segment-differs 13;" \
+        in p.stderr and str(out) in p.stderr
+    assert "check that A and B are runs of the same program" not in p.stderr
     assert "undetermined in A: segment-differs 8" in p.stderr
     assert all(op.args["status"] == "unaligned" for op in read_export(out).ops)
 
 
 def test_newer_capture_schema_refused(tmp_path: Path) -> None:
+    """Versions 1 and 2 are read; a meta.json or a record of version 3 is refused (exit 6)."""
     cap = synth.write_rank(tmp_path / "a", 0, synth.program())
-    (cap / "meta.json").write_text(json.dumps({"schema": "opguard-capture", "version": 2, "rank": 0}))
+    (cap / "meta.json").write_text(json.dumps({"schema": "opguard-capture", "version": 3, "rank": 0}))
     p = run_compare(tmp_path / "a", tmp_path / "a", tmp_path / "v.pftrace")
-    assert p.returncode == 6 and "version 2" in p.stderr
+    assert p.returncode == 6 and "capture schema version 3; this opguard reads versions 1 to 2" in p.stderr
+    cap = synth.write_rank(tmp_path / "b", 0, synth.program())
+    trace = cap / "trace.jsonl"
+    trace.write_text(trace.read_text().replace('"v": 1,', '"v": 3,', 1))
+    p = run_compare(tmp_path / "b", tmp_path / "b", tmp_path / "v.pftrace")
+    assert p.returncode == 6 and "capture record version 3; this opguard reads versions 1 to 2" in p.stderr
+    assert not (tmp_path / "v.pftrace").exists()
 
 
 def test_bad_record_names_the_line(tmp_path: Path) -> None:

@@ -4,10 +4,12 @@ arranges it), in the variants the issue lists."""
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -21,17 +23,29 @@ TEMPLATE = (Path(__file__).parent / "progs" / "train_template.py").read_text()
 TORCHRUN = BIN / "torchrun"
 
 
+GPT = (Path(__file__).parent / "progs" / "gpt_template.py").read_text()
+
+
 def _variant(name: str) -> str:
+    if name.startswith("gpt"):
+        src = GPT
+        if name == "gpt-tanh":
+            src = src.replace("h = F.gelu(self.fc(x))  # <gelu>",
+                              "h = F.gelu(self.fc(x), approximate='tanh')  # <gelu>")
+            assert src != GPT
+        return src
     src = TEMPLATE
-    if name == "numeric":
+    if name == "changed-arg":
+        src = src.replace("loss = F.mse_loss(s, b)", "loss = F.mse_loss(s, b, reduction='sum')")
+    elif name == "numeric":
         src = src.replace("s = torch.add(z, a)  # <numeric>", "s = torch.add(z, a, alpha=1.01)  # <numeric>")
     elif name == "inserted-line":
-        src = src.replace("        # <inserted-line>\n", "        t = torch.zeros(4, 16)\n")
+        src = src.replace("        # <inserted-line>\n", "        # <inserted-line>\n        t = torch.zeros(4, 16)\n")
     elif name == "reordered":
         first = "        a = torch.sigmoid(h)  # <first>\n"
         second = "        b = torch.tanh(z)  # <second>\n"
         src = src.replace(first + second, second + first)
-    assert name == "base" or name == "extra-call" or src != TEMPLATE
+    assert name in ("base", "extra-call") or src != TEMPLATE
     return src
 
 
@@ -74,7 +88,10 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
                    ("a", "base", {}), ("b", "base", {}), ("numeric", "numeric", {}),
                    ("inserted-line", "inserted-line", {}),
                    ("extra-call", "extra-call", {"extra": {"RELU_TIMES": "2"}}),
-                   ("reordered", "reordered", {}), ("one-rank", "base", {"nproc": 1})]}
+                   ("reordered", "reordered", {}), ("one-rank", "base", {"nproc": 1}),
+                   ("changed-arg", "changed-arg", {}),
+                   ("gpt", "gpt", {"nproc": 1}), ("gpt-rerun", "gpt", {"nproc": 1}),
+                   ("gpt-tanh", "gpt-tanh", {"nproc": 1})]}
     failed = []
     for name, (_, proc) in started.items():
         _, err = proc.communicate(timeout=600)
@@ -84,11 +101,18 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {name: base for name, (base, _) in started.items()}
 
 
-def _compare(runs: dict[str, Path], b: str, tmp_path: Path) -> tuple[str, Export]:
+def _compare(runs: dict[str, Path], b: str, tmp_path: Path, a: str = "a") -> tuple[str, Export]:
     out = tmp_path / f"{b}.pftrace"
-    p = run_compare(runs["a"], runs[b], out)
+    p = run_compare(runs[a], runs[b], out, extra=["--json", str(tmp_path / f"{b}.json")])
     assert p.returncode == 0, p.stderr
     return p.stderr, read_export(out)
+
+
+def _first(tmp_path: Path, b: str, rank: int) -> dict[str, Any] | None:
+    """The first introduced divergence of a rank, from --json."""
+    doc = json.loads((tmp_path / f"{b}.json").read_text())
+    fd: dict[str, Any] | None = next(r for r in doc["ranks"] if r["rank"] == rank)["first_divergence"]
+    return fd
 
 
 def _check_no_false_pairs(export: Export) -> None:
@@ -104,39 +128,146 @@ def _check_no_false_pairs(export: Export) -> None:
             assert c["reason"] in REASONS and op.args["status"] == "unaligned" and "diff" not in op.args
 
 
-def test_identical_runs(runs: dict[str, Path], tmp_path: Path) -> None:
-    _err, export = _compare(runs, "b", tmp_path)
+def _capture_version() -> int:
+    from opguard.capture.records import VERSION
+
+    return VERSION
+
+
+V2 = pytest.mark.skipif(_capture_version() < 2, reason="capture writes schema v1 here: non-tensor arguments "
+                        "are recorded from capture schema v2 on (docs/capture.md §3; issue 12)")
+
+
+def test_identical_rerun_no_divergence(runs: dict[str, Path], tmp_path: Path) -> None:
+    """(d) an identical rerun of the seeded program."""
+    err, export = _compare(runs, "b", tmp_path)
     assert len(export.ops) > 100
     assert all(op.args["correspondence"]["state"] == "paired" and op.args["status"] == "ok" for op in export.ops)
     assert {op.args["correspondence"]["basis"] for op in export.ops} == {"equal-sequence"}
     assert {op.args["rank"] for op in export.ops} == {0, 1}
     assert any(op.args.get("collective") for op in export.ops)
+    assert _first(tmp_path, "b", 0) is None and _first(tmp_path, "b", 1) is None
+    assert err.count("no divergence: every pair's compared fields agree") == 2
 
 
-def test_same_line_numerical_change(runs: dict[str, Path], tmp_path: Path) -> None:
+def _train_line(text: str) -> int:
+    return next(i for i, x in enumerate(TEMPLATE.splitlines(), 1) if text in x)
+
+
+def test_edited_line_first_divergence_is_that_call(runs: dict[str, Path], tmp_path: Path) -> None:
+    """(a) `s = torch.add(z, a)` edited in place to `torch.add(z, a, alpha=1.01)`."""
     err, export = _compare(runs, "numeric", tmp_path)
     _check_no_false_pairs(export)
+    line = _train_line("s = torch.add(z, a)")
     for rank in (0, 1):
         a = ops_of(export, "A", rank)
         first = next(op for op in a if op.args["status"] == "mismatch")
         assert first.name == "torch.add" and first.args["diff"]["inputs_equal"] is True
-        assert "stats_max_abs_diff" in first.args["diff"]["out"]
         assert all(op.args["status"] == "ok" for op in a[: a.index(first)])
-    assert "first mismatch: torch.add" in err and "first mismatch with equal captured inputs: torch.add" in err
+        fd = _first(tmp_path, "numeric", rank)
+        assert fd is not None
+        assert (fd["function"], fd["record_a"], fd["line_map_b"]) == \
+            ("torch.add", first.record_id, f"edited A:{line}")
+        assert fd["where"].endswith(f"/a/src/train.py:{line}")
+        assert fd["where_b"].endswith(f"/numeric/src/train.py:{line}")
+        if _capture_version() >= 2:
+            assert fd["kind"] == "arguments differ" and fd["args"] == ["alpha: absent -> 1.01"]
+        else:
+            assert fd["kind"] == "outputs differ, inputs and arguments equal" and fd["args"] == []
+        assert fd["unresolved_before"] == 0
+    assert err.count("first divergence: torch.add at ") == 2
 
 
-def test_inserted_line(runs: dict[str, Path], tmp_path: Path) -> None:
-    _err, export = _compare(runs, "inserted-line", tmp_path)
+def test_inserted_line_shifts_identities_no_divergence(runs: dict[str, Path], tmp_path: Path) -> None:
+    """(b) an unused `t = torch.zeros(4, 16)` inserted: every later line shifts by one and keeps its
+    identity; the new op has no counterpart; nothing computed differs."""
+    err, export = _compare(runs, "inserted-line", tmp_path)
     _check_no_false_pairs(export)
-    b = ops_of(export, "B", 0)
-    zeros = [op for op in b if op.name == "torch.zeros"]
-    assert len(zeros) == 2 and all(op.args["correspondence"]["state"] == "undetermined" for op in zeros)
+    for rank in (0, 1):
+        b = ops_of(export, "B", rank)
+        zeros = [op for op in b if op.name == "torch.zeros"]
+        assert len(zeros) == 2
+        assert all(op.args["correspondence"]["state"] == "undetermined" for op in zeros)
+        assert all(op.args["callsite"]["identity"].startswith("train.py:+") for op in zeros)
+        # step 1's zeros sits alone between two anchors; step 0's shares the segment before the first
+        # anchor with the setup calls and draws (no tensor inputs, so no anchors): that segment differs, so
+        # they stay undetermined (docs/compare.md §2: unequal sequences need input anchors)
+        assert zeros[1].args["correspondence"]["reason"] == "no-counterpart-in-segment"
+        und = {op.name for op in b if op.args["correspondence"]["state"] == "undetermined"}
+        assert und == {"torch.zeros", "torch.randn", "torch.device"}, und      # nothing after the first anchor
+        paired = [op for op in b if op.args["correspondence"]["state"] == "paired"]
+        assert all(op.args["status"] == "ok" for op in paired)
+        first_pair = b.index(paired[0])
+        assert all(k < first_pair for k, op in enumerate(b)
+                   if op.args["correspondence"]["state"] == "undetermined" and op is not zeros[1])
+        at = _train_line("# <inserted-line>") + 1          # the inserted line's number in B
+        for op in paired:
+            cs = op.args["callsite"]
+            if cs["file"].endswith("train.py"):
+                assert cs["line_map"] == ("same" if cs["line"] < at else f"shifted A:{cs['line'] - 1}"), cs
+        assert _first(tmp_path, "inserted-line", rank) is None
+    assert err.count("no divergence") == 2
+
+
+def test_changed_argument_first_divergence(runs: dict[str, Path], tmp_path: Path) -> None:
+    """(c) `F.mse_loss(s, b)` -> `F.mse_loss(s, b, reduction='sum')`: equal inputs, other outputs."""
+    _err, export = _compare(runs, "changed-arg", tmp_path)
+    _check_no_false_pairs(export)
+    for rank in (0, 1):
+        fd = _first(tmp_path, "changed-arg", rank)
+        assert fd is not None and fd["function"] == "torch.nn.functional.mse_loss"
+        assert fd["where"].endswith(f"train.py:{_train_line('loss = F.mse_loss(s, b)')}")
+        a = ops_of(export, "A", rank)
+        k = next(i for i, op in enumerate(a) if op.record_id == fd["record_a"])
+        assert all(op.args["status"] == "ok" for op in a[:k])
+
+
+@V2
+def test_changed_argument_is_named(runs: dict[str, Path], tmp_path: Path) -> None:
+    err, _export = _compare(runs, "changed-arg", tmp_path)
+    for rank in (0, 1):
+        fd = _first(tmp_path, "changed-arg", rank)
+        assert fd is not None and fd["kind"] == "arguments differ"
+        assert fd["args"] == ["reduction: absent -> 'sum'"]
+    assert "arguments differ: reduction: absent -> 'sum'" in err
+
+
+V2_UNINIT = pytest.mark.skipif(_capture_version() < 2, reason="capture writes schema v1 here: torch.empty and "
+                               "friends (module initialisation) are marked uninitialized from capture schema v2 on "
+                               "(docs/capture.md §3; issue 12); before, their garbage is the first difference")
+
+
+@V2_UNINIT
+def test_gpt_identical_rerun_no_divergence(runs: dict[str, Path], tmp_path: Path) -> None:
+    err, export = _compare(runs, "gpt-rerun", tmp_path, a="gpt")
+    assert len(export.ops) > 200
+    assert any(op.name == "torch.nn.functional.scaled_dot_product_attention" for op in export.ops)
+    assert _first(tmp_path, "gpt-rerun", 0) is None, err
+    assert "no divergence" in err
+
+
+@V2_UNINIT
+def test_gpt_changed_gelu_argument_first_divergence_is_the_gelu(runs: dict[str, Path], tmp_path: Path) -> None:
+    err, export = _compare(runs, "gpt-tanh", tmp_path, a="gpt")
+    _check_no_false_pairs(export)
+    fd = _first(tmp_path, "gpt-tanh", 0)
+    assert fd is not None, err
+    line = next(i for i, x in enumerate(GPT.splitlines(), 1) if "# <gelu>" in x)
+    assert fd["function"] == "torch.nn.functional.gelu", err
+    assert fd["where"].endswith(f"gpt/src/train.py:{line}") and fd["module"] == "GPT.blocks.0.mlp"
+    assert fd["unresolved_before"] == 0
     a = ops_of(export, "A", 0)
-    paired = [op for op in a if op.args["correspondence"]["state"] == "paired"]
-    assert len(paired) >= len(a) * 0.8
-    assert {op.args["correspondence"]["basis"] for op in paired} >= {"input-anchor"}
-    # identity by source-line digest: the shifted lines keep their identity
-    assert all(op.args["status"] == "ok" for op in paired)
+    k = next(i for i, op in enumerate(a) if op.record_id == fd["record_a"])
+    assert all(op.args["status"] == "ok" for op in a[:k])
+    assert "first divergence: torch.nn.functional.gelu at " in err
+
+
+@V2
+def test_gpt_changed_gelu_argument_is_named(runs: dict[str, Path], tmp_path: Path) -> None:
+    _err, _export = _compare(runs, "gpt-tanh", tmp_path, a="gpt")
+    fd = _first(tmp_path, "gpt-tanh", 0)
+    assert fd is not None and fd["kind"] == "arguments differ"
+    assert fd["args"] == ["approximate: absent -> 'tanh'"] and fd["step"] == 0
 
 
 def test_extra_call(runs: dict[str, Path], tmp_path: Path) -> None:

@@ -38,8 +38,9 @@ def test_identical_runs_all_paired_all_ok(tmp_path: Path) -> None:
         assert op.args["validation"] == "unreviewed"
         assert op.args["status"] == "ok"
     assert "ok 16, mismatch 0" in p.stderr and "unaligned" in p.stderr
-    # the reference names files by line number; ours pairs by source-line digest
-    assert all(op.args["callsite"]["identity"].startswith("train.py:sha=") for op in export.ops)
+    # identities from the line correspondence of the two source copies: A's line number
+    assert all(op.args["callsite"]["identity"] == f"train.py:{op.args['callsite']['line']}" for op in export.ops)
+    assert "no divergence: every pair's compared fields agree" in p.stderr
 
 
 def test_same_line_numerical_change_first_mismatch_at_that_call(tmp_path: Path) -> None:
@@ -48,11 +49,13 @@ def test_same_line_numerical_change_first_mismatch_at_that_call(tmp_path: Path) 
     assert status == ["ok"] * 6 + ["mismatch", "mismatch"]
     add = a[6]
     assert _fn(add) == "torch.add"
-    assert add.args["correspondence"]["basis"] == "input-anchor"     # the edited line has another digest
+    # the edited line corresponds in place: the same identity, so the sequences are equal
+    assert add.args["correspondence"]["basis"] == "equal-sequence"
+    assert _b[6].args["callsite"]["line_map"] == "edited A:22"
     assert add.args["diff"]["inputs_equal"] is True
     assert a[7].args["diff"]["inputs_equal"] is False                 # sum inherits the difference
-    assert "first mismatch: torch.add" in err
-    assert "first mismatch with equal captured inputs: torch.add" in err
+    assert "first divergence: torch.add at " in err and "outputs differ, inputs and arguments equal" in err
+    assert "mismatches: 1 introduced, 1 inherited" in err
     assert "caveat" not in err
 
 

@@ -80,40 +80,6 @@ def test_tensor_dumps_give_elementwise_errors(tmp_path: Path) -> None:
     assert add.args["outputs"]["out"]["dump"].endswith("000000006-out.pt")
 
 
-def test_identity_survives_inserted_lines_and_tells_repeated_lines_apart(tmp_path: Path) -> None:
-    from opguard.compare.records import SourceIndex, stripped_line_digest
-
-    src = tmp_path / "train.py"
-    src.write_text("x = f()\nimport os\nx = f()\n")
-    idx = SourceIndex()
-    idx.add("/abs/train.py", src)
-    d = stripped_line_digest("x = f()")
-    assert idx.digest_and_occurrence("/abs/train.py", 1) == (d, 0)
-    assert idx.digest_and_occurrence("/abs/train.py", 3) == (d, 1)        # the same text, another line
-    assert idx.digest_and_occurrence("/abs/train.py", 3, "f" * 64) == ("f" * 64, None)  # not the file that ran
-
-
-def test_restored_node_sources_give_occurrence_numbers(tmp_path: Path) -> None:
-    text = "h = torch.relu(h)"
-    lines = ["import torch", text, "pass", text]
-    body = "\n".join(lines) + "\n"
-    import hashlib
-
-    for run in ("a", "b"):
-        recs = [synth.op(i, "torch.relu", ln, text, [synth.digest_of(run, i)], [synth.digest_of(run, i, "o")],
-                         file="/abs/train.py") for i, ln in enumerate((2, 4))]
-        cap = synth.write_rank(tmp_path / run, 0, recs)
-        (cap / "sources.json").write_text(json.dumps({"version": 1, "rank": 0, "files": [
-            {"path": "/abs/train.py", "sha256": hashlib.sha256(body.encode()).hexdigest(), "size": len(body)}]}))
-        node = cap.parent / "_node" / "sources"
-        node.mkdir(parents=True)
-        (node / "train.py").write_text(body)
-    compare(str(tmp_path / "a"), str(tmp_path / "b"), tmp_path / "v.pftrace")
-    a = ops_of(read_export(tmp_path / "v.pftrace"), "A")
-    assert [op.args["callsite"]["identity"].rsplit("#", 1)[1] for op in a] == ["0", "1"]
-    assert all(op.args["correspondence"]["basis"] == "equal-sequence" for op in a)
-
-
 @pytest.mark.parametrize("n_workers", [2, 3])
 def test_parallel_passes_write_the_same_view(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, n_workers: int) -> None:
     """The two-process path (pass 1 per side, pass 2 in row ranges, parts appended) gives the same

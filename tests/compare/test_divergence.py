@@ -1,0 +1,171 @@
+"""The first introduced divergence, schema-v2 arguments and uninitialised entries, --json, --pairs,
+filters and --show (docs/compare.md §4, §6), over synthetic v2 traces through the real CLI."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from opguard.compare.perfetto_export import read_export
+from tests.compare import synth
+from tests.compare.helpers import OPGUARD, ops_of, run_compare
+
+D = synth.digest_of
+
+
+def _gpt_like(run: str, *, gelu_args: list[dict[str, Any]] | None = None, steps: int = 2,
+              empty_digest: str | None = None) -> list[dict[str, Any]]:
+    """Per step: an uninitialised buffer (torch.empty), a linear, a gelu, a loss; outputs depend on
+    the inputs and on what the gelu computed (which its arguments decide)."""
+    recs: list[dict[str, Any]] = []
+    w = D("w")
+    for step in range(steps):
+        x = D("x", step)
+        buf = synth.op(0, "torch.empty", 10, "buf = torch.empty(4, 4)", [], [empty_digest or D("garbage", run, step)],
+                       step=step, module=None)
+        buf["outputs"][0]["uninitialized"] = True
+        h = D("linear", x, w)
+        lin = synth.op(0, "torch.nn.functional.linear", 20, "h = F.linear(x, w)", [x, w], [h], step=step,
+                       module="blocks.0.mlp.fc")
+        g = D("gelu", h, json.dumps(gelu_args, sort_keys=True))
+        gelu = synth.op(0, "torch.nn.functional.gelu", 21, "g = F.gelu(h)", [h], [g], step=step,
+                        module="blocks.0.mlp")
+        if gelu_args:
+            gelu["args"] = gelu_args
+        fill = synth.op(0, "torch.Tensor.copy_", 22, "buf.copy_(g)", [D("garbage", run, step), g], [g], step=step,
+                        module="blocks.0.mlp")
+        fill["inputs"][0]["uninitialized"] = True
+        loss = synth.op(0, "torch.sum", 30, "loss = g.sum()", [g], [D("sum", g)], step=step)
+        recs += [buf, lin, gelu, fill, loss]
+    return [dict(r, seq=k) for k, r in enumerate(recs)]
+
+
+def _write(tmp: Path, run: str, recs: list[dict[str, Any]], ranks: tuple[int, ...] = (0,)) -> Path:
+    for rank in ranks:
+        synth.write_rank(tmp / run, rank, [dict(r, rank=rank) for r in recs], version=2)
+    return tmp / run
+
+
+def test_changed_argument_is_the_first_divergence_uninitialised_entries_never_compared(tmp_path: Path) -> None:
+    a = _write(tmp_path, "a", _gpt_like("a"))
+    b = _write(tmp_path, "b", _gpt_like("b", gelu_args=[synth.arg("approximate", "str", "tanh")]))
+    out = tmp_path / "v.pftrace"
+    p = run_compare(a, b, out)
+    assert p.returncode == 0, p.stderr
+    err = p.stderr
+    assert ("first divergence: torch.nn.functional.gelu at /work/train.py:21, module blocks.0.mlp, step 0 "
+            "(A/rank0/capture/2 <-> B/rank0/capture/2): arguments differ: approximate: absent -> 'tanh'") in err
+    # the buffer's garbage differs in every step, and the copy_ reads it: neither is a mismatch
+    assert "mismatches: 2 introduced, 4 inherited (inputs differ)" in err
+    assert "4 entries marked uninitialized differ in content: never compared" in err
+    ops = ops_of(read_export(out), "B")
+    assert ops[0].args["status"] == "ok" and ops[0].args["outputs"]["out"]["uninitialized"] is True
+    assert ops[2].args["args"] == {"approximate": "'tanh'"}
+    assert ops[2].args["diff"]["args"] == "approximate: absent -> 'tanh'"
+    assert ops[2].args["diff"]["introduced"] is True
+    assert ops[3].args["diff"]["introduced"] is False
+
+
+def test_digest_of_a_long_argument_and_other_kinds(tmp_path: Path) -> None:
+    long_a = synth.arg("weight_list", "list", list(range(40)))
+    long_b = synth.arg("weight_list", "list", list(range(1, 41)))
+    assert "digest" in long_a and "value" not in long_a
+    recs_a = _gpt_like("a", gelu_args=[synth.arg("approximate", "str", "none"), long_a])
+    recs_b = _gpt_like("b", gelu_args=[synth.arg("approximate", "str", "none"), long_b])
+    for r in recs_b:        # identical outputs: only the argument differs
+        r["outputs"] = next(x for x in recs_a if x["seq"] == r["seq"])["outputs"]
+    p = run_compare(_write(tmp_path, "a", recs_a), _write(tmp_path, "b", recs_b), tmp_path / "v.pftrace")
+    assert p.returncode == 0, p.stderr
+    assert f"weight_list: <sha256:{long_a['digest']}/{long_a['len']}> -> <sha256:{long_b['digest']}/" in p.stderr
+    assert "arguments differ" in p.stderr
+
+
+def test_identical_rerun_reports_no_divergence(tmp_path: Path) -> None:
+    a = _write(tmp_path, "a", _gpt_like("a"))
+    b = _write(tmp_path, "b", _gpt_like("b"))         # only the uninitialised garbage differs
+    p = run_compare(a, b, tmp_path / "v.pftrace", )
+    assert p.returncode == 0, p.stderr
+    assert "no divergence: every pair's compared fields agree" in p.stderr
+    assert "first divergence" not in p.stderr and "mismatch 0" in p.stderr
+
+
+def _cli(*args: str) -> Any:
+    import subprocess
+
+    return subprocess.run([*OPGUARD, "compare", *args], capture_output=True, text=True, timeout=300)
+
+
+def test_json_summary_pairs_filters_and_show(tmp_path: Path) -> None:
+    a = _write(tmp_path, "a", _gpt_like("a", steps=3), ranks=(0, 1))
+    b = _write(tmp_path, "b", _gpt_like("b", steps=3, gelu_args=[synth.arg("approximate", "str", "tanh")]),
+               ranks=(0, 1))
+    out, js, pairs = tmp_path / "v.pftrace", tmp_path / "s.json", tmp_path / "p.jsonl"
+    p = _cli(str(a), str(b), "-o", str(out), "--json", str(js), "--pairs", str(pairs))
+    assert p.returncode == 0, p.stderr
+    doc = json.loads(js.read_text())
+    assert doc["version"] == 1 and doc["pairs"] == 30 and doc["mismatch"] == 18
+    r0 = doc["ranks"][0]
+    assert (r0["rank"], r0["introduced"], r0["inherited"], r0["uninitialized_not_compared"]) == (0, 3, 6, 6)
+    fd = r0["first_divergence"]
+    assert fd["function"] == "torch.nn.functional.gelu" and fd["step"] == 0 and fd["module"] == "blocks.0.mlp"
+    assert fd["kind"] == "arguments differ" and fd["args"] == ["approximate: absent -> 'tanh'"]
+    assert fd["record_b"] == "B/rank0/capture/2" and fd["where"] == "/work/train.py:21"
+    lines = [json.loads(x) for x in pairs.read_text().splitlines()]
+    assert len(lines) == 30 and {x["rank"] for x in lines} == {0, 1}
+    gelu = lines[2]
+    assert gelu["status"] == "mismatch" and gelu["introduced"] is True
+    assert gelu["a"]["record"] == "A/rank0/capture/2" and gelu["b"]["line"] == 21
+    assert gelu["differs"] == ["args.approximate", "outputs.out.digest"]
+    assert lines[0]["status"] == "ok" and lines[0]["uninitialized_not_compared"] == 1
+
+    # which ops differ on rank 1 in step 2
+    p = _cli(str(a), str(b), "-o", str(out), "--rank", "1", "--step", "2", "--pairs", str(pairs), "--json", str(js))
+    assert p.returncode == 0, p.stderr
+    lines = [json.loads(x) for x in pairs.read_text().splitlines()]
+    assert len(lines) == 5 and all(x["rank"] == 1 and x["a"]["step"] == 2 for x in lines)
+    assert [x["a"]["function"] for x in lines if x["status"] == "mismatch"] == \
+        ["torch.nn.functional.gelu", "torch.Tensor.copy_", "torch.sum"]
+    doc = json.loads(js.read_text())
+    assert doc["filters"] == {"rank": [1], "step": [2]} and [r["rank"] for r in doc["ranks"]] == [1]
+    assert doc["ranks"][0]["first_divergence"]["record_a"] == "A/rank1/capture/12"
+
+    p = _cli(str(a), str(b), "-o", str(out), "--function", "torch.sum", "--pairs", str(pairs))
+    assert p.returncode == 0, p.stderr
+    assert {json.loads(x)["a"]["function"] for x in pairs.read_text().splitlines()} == {"torch.sum"}
+    assert "no introduced divergence among the pairs" in p.stderr
+
+    p = _cli(str(a), str(b), "-o", str(out), "--show", "B/rank0/capture/2")
+    assert p.returncode == 0, p.stderr
+    shown = json.loads(p.stdout)
+    assert shown["status"] == "mismatch" and shown["a"]["record"] == "A/rank0/capture/2"
+    assert shown["b"]["args"] == {"approximate": {"type": "str", "value": "'tanh'"}}
+    assert shown["a"]["callsite"]["line"] == 21 and shown["b"]["module"] == "blocks.0.mlp"
+    assert shown["diff"]["args"] == ["approximate: absent -> 'tanh'"] and shown["diff"]["introduced"] is True
+    assert set(shown["a"]["inputs"]) == {"arg0"}
+
+    p = _cli(str(a), str(b), "-o", str(out), "--show", "B/rank0/capture/999")
+    assert p.returncode == 2 and "--show: no operation with record_id B/rank0/capture/999" in p.stderr
+    p = _cli(str(a), str(b), "-o", str(out), "--rank", "7")
+    assert p.returncode == 2 and "--rank 7: no such rank in A or B (they have ranks 0, 1)" in p.stderr
+    p = _cli(str(a), str(b), "-o", str(out), "--step", "x")
+    assert p.returncode == 2 and "--step 'x': not an integer or a range" in p.stderr
+
+
+def test_meta_notes_of_schema_v2_reach_the_summary(tmp_path: Path) -> None:
+    recs = _gpt_like("a")
+    synth.write_rank(tmp_path / "a", 0, recs, version=2, meta={"notes": ["step filter 7 matched nothing"],
+                                                               "step_source": "marker"})
+    synth.write_rank(tmp_path / "b", 0, recs, version=2)
+    p = run_compare(tmp_path / "a", tmp_path / "b", tmp_path / "v.pftrace")
+    assert p.returncode == 0, p.stderr
+    assert "note: run A: capture: step filter 7 matched nothing" in p.stderr
+
+
+def test_a_run_without_records_is_named(tmp_path: Path) -> None:
+    a = _write(tmp_path, "a", _gpt_like("a"))
+    synth.write_rank(tmp_path / "b", 0, [], version=2)
+    p = run_compare(a, tmp_path / "b", tmp_path / "v.pftrace")
+    assert p.returncode == 2
+    assert "nothing was paired: run B recorded no operations" in p.stderr
+    assert "every operation is undetermined" not in p.stderr
