@@ -132,6 +132,14 @@ class Session:
         self.busy = 0  # > 0 while capture itself runs tensor work (the dispatch level ignores it)
         self.on_cap: list[Any] = []  # callables run when the cap stops interception
         self._failures: set[tuple[str, torch.dtype]] = set()  # summary failures already said on stderr
+        self._stage_failures: dict[tuple[str, str], int] = {}  # (stage, exception type) -> count
+        # outputs of uninitialised-memory ops not written since: data_ptr -> (weak ref, _version)
+        self._uninit: dict[int, tuple[weakref.ref[torch.Tensor], int]] = {}
+        self.step_source = "none"  # "marker" once step() was called, "optimizer" once Optimizer.step advanced it
+        self.notes: list[str] = []
+        self.fast_path_off: list[str] = []
+        self.ops_recorded = 0
+        self.max_step = 0
         self.started_at = time.time()
         self.writer: JsonlWriter = open_jsonl(TRACE, rank=self.rank, env=environ, rotate_bytes=SEGMENT_BYTES)
         self._write_meta(final=False)
@@ -171,10 +179,16 @@ class Session:
             return reason
         n = t.numel()
         contiguous = t.is_contiguous()
+        version: object
+        try:
+            version = t._version
+        except RuntimeError:  # an inference tensor: no version counter, so never served from the cache
+            version = object()
+            fresh = True
         if contiguous:
-            key: tuple[Any, ...] = (t.data_ptr(), n, t.dtype, t.device, t._version)
+            key: tuple[Any, ...] = (t.data_ptr(), n, t.dtype, t.device, version)
         else:
-            key = (t.data_ptr(), t.shape, t.stride(), t.dtype, t.device, t._version)
+            key = (t.data_ptr(), t.shape, t.stride(), t.dtype, t.device, version)
         s = None if fresh or n == 0 else self._lookup(key)
         if s is not None and (not want_stats or s.has_stats):
             return s
@@ -281,9 +295,17 @@ class Session:
         if s is not None and s.ref is ref:  # not an entry re-made since for another tensor
             del self._cache[ref.key]
 
-    def entry(self, call: Call, slot: str, t: torch.Tensor, output: bool, *, fresh: bool = False) -> dict[str, Any]:
+    def entry(self, call: Call, slot: str, t: torch.Tensor, output: bool, *, fresh: bool = False,
+              uninitialized: bool = False) -> dict[str, Any]:
         e: dict[str, Any] = {"slot": slot, "dtype": records.dtype_name(t.dtype), "shape": list(t.shape),
                              "device": records.device_name(t.device), "digest": None}
+        if uninitialized or (self._uninit and not output and self._still_uninitialized(t)):
+            e["uninitialized"] = True  # its content is whatever the allocator left: never summarised
+            e["reason"] = "uninitialized memory"
+            if output:
+                e["stats"] = None
+                self._mark_uninitialized(t)
+            return e
         try:
             s: _Summary | str = self.summarize(t, output, fresh=fresh)
         except Exception as err:  # capture's own tensor work must never break the program: say so instead
@@ -299,6 +321,49 @@ class Session:
             e["stats"] = None
         call.fills.append((e, s, output))
         return e
+
+    def _mark_uninitialized(self, t: torch.Tensor) -> None:
+        try:
+            self._uninit[t.data_ptr()] = (weakref.ref(t), t._version)
+        except (TypeError, RuntimeError):  # not weakly referenceable; an inference tensor (no version counter)
+            return
+        if len(self._uninit) > CACHE_ENTRIES:
+            self._uninit = {k: v for k, v in self._uninit.items() if v[0]() is not None}
+
+    def _still_uninitialized(self, t: torch.Tensor) -> bool:
+        """``t`` is (a view at the same address of) an uninitialised output not written since: the
+        same version counter value (views share their base's counter)."""
+        hit = self._uninit.get(t.data_ptr())
+        if hit is None:
+            return False
+        ref, version = hit
+        base = ref()
+        if base is None:
+            del self._uninit[t.data_ptr()]
+            return False
+        try:
+            if base._version != version:
+                del self._uninit[t.data_ptr()]
+                return False
+            return t._version == version
+        except RuntimeError:  # an inference tensor at that address
+            return False
+
+    def failed(self, stage: str, err: BaseException, call: Call | None = None) -> None:
+        """Capture's own work failed at ``stage`` (``recording``, ``digest``, ``statistics``,
+        ``writing``): the program continues as without capture; the record (when there is one) says
+        what failed in ``capture_error``; stderr says it once per stage and exception type; the
+        rank's meta notes count them."""
+        msg = f"{stage}: {type(err).__name__}: {err}"[:300]
+        if call is not None:
+            call.rec.setdefault("capture_error", msg)
+        key = (stage, type(err).__name__)
+        n = self._stage_failures.get(key, 0)
+        self._stage_failures[key] = n + 1
+        if n == 0:
+            print(f"opguard capture: rank {self.rank}: capture's own {stage} failed ({msg}); the program "
+                  "continues unchanged, affected records carry 'capture_error' (said once per stage and kind)",
+                  file=sys.stderr, flush=True)
 
     def _summary_failed(self, err: Exception, t: torch.Tensor) -> str:
         """The entry's ``reason`` when digesting/summarising a tensor raised; said on stderr once per
@@ -321,7 +386,7 @@ class Session:
         parents = self.parents
         module, context = (self.module, self.context) if where is None else where
         rec: dict[str, Any] = {
-            "v": 1, "kind": "op", "seq": seq, "step": self.step, "rank": self.rank, "api": api, "fn": fn,
+            "v": records.VERSION, "kind": "op", "seq": seq, "step": self.step, "rank": self.rank, "api": api, "fn": fn,
             "file": site.file, "line": site.line, "func": site.func, "src": site.src, "site": site.id,
             "module": module, "context": context, "depth": len(parents),
             "parent": parents[-1] if parents else None, "phase": phase, "inputs": [], "outputs": []}
@@ -334,10 +399,11 @@ class Session:
         for slot, t in tensors:
             ins.append(self.entry(call, slot, t, False))
 
-    def outputs(self, call: Call, tensors: Iterable[tuple[str, torch.Tensor]], *, fresh: bool = False) -> None:
+    def outputs(self, call: Call, tensors: Iterable[tuple[str, torch.Tensor]], *, fresh: bool = False,
+                uninitialized: bool = False) -> None:
         outs = call.rec["outputs"]
         for slot, t in tensors:
-            outs.append(self.entry(call, slot, t, True, fresh=fresh))
+            outs.append(self.entry(call, slot, t, True, fresh=fresh, uninitialized=uninitialized))
 
     def maybe_flush(self) -> None:
         if len(self.pending) >= self.options.buffer and not self.parents:
@@ -366,6 +432,9 @@ class Session:
         self.busy += 1
         try:
             self._flush(calls)
+        except Exception as err:  # never into the program: these records are lost, said on stderr and in meta
+            self.dropped += sum(1 for c in calls if c.rec.get("kind") == "op")
+            self.failed("writing", err)
         finally:
             self.busy -= 1
 
@@ -395,6 +464,8 @@ class Session:
                 continue
             self._write_line(records.encode(c.rec))
             self.records += 1
+            if c.rec["kind"] == "op":
+                self.ops_recorded += 1
         self._write_tables()
 
     @staticmethod
@@ -432,7 +503,7 @@ class Session:
                f"written for this rank (trace: {self.dir}). Raise OPGUARD_CAPTURE_MAX_MB or select fewer "
                "steps/functions (OPGUARD_CAPTURE_STEPS, OPGUARD_CAPTURE_FUNCTIONS)")
         print(msg, file=sys.stderr, flush=True)
-        rec = {"v": 1, "kind": "cap", "seq": self.seq, "step": self.step, "rank": self.rank,
+        rec = {"v": records.VERSION, "kind": "cap", "seq": self.seq, "step": self.step, "rank": self.rank,
                "limit_bytes": self.options.max_bytes, "written_bytes": self.written, "message": msg}
         self.writer.write_line(records.encode(rec))
         for cb in self.on_cap:
@@ -464,8 +535,53 @@ class Session:
                        else ("torch.hash_tensor" if self.options.digest == "xor" else None), "sample": SAMPLE},
             "host_kernel": "native" if self.host is not None else "torch",
             "options": self.options.as_json(), "records": self.records, "segments": self.writer.segment + 1,
-            "cap_reached": self.cap_reached, "dropped": self.dropped, "trace": TRACE}
+            "cap_reached": self.cap_reached, "dropped": self.dropped, "trace": TRACE,
+            "step_source": self.step_source, "notes": self.notes + self._failure_notes(),
+            "fast_path_off": self.fast_path_off, "record_noise": self.options.record_noise}
         self._write_atomic("meta.json", meta)
+
+    def _failure_notes(self) -> list[str]:
+        return [f"capture's own {stage} failed {n} time(s) with {kind}; the program ran unchanged "
+                "(records carry capture_error)" for (stage, kind), n in sorted(self._stage_failures.items())]
+
+    def note(self, text: str, *, warn: bool = False) -> None:
+        """A human-readable note in this rank's meta (and on stderr with ``warn``)."""
+        if text not in self.notes:
+            self.notes.append(text)
+            if warn:
+                print(f"opguard capture: rank {self.rank}: warning: {text}", file=sys.stderr, flush=True)
+
+    def advance(self, source: str, n: int | None = None) -> None:
+        """Set (``n``) or advance the step; write the ``step`` record (``source``: marker, optimizer)."""
+        if source == "marker":
+            self.step_source = "marker"
+        elif self.step_source == "none":
+            self.step_source = "optimizer"
+        self.step = self.step + 1 if n is None else n
+        self.max_step = max(self.max_step, self.step)
+        if not self.cap_reached and not self.closed:
+            self.pending.append(Call({"v": records.VERSION, "kind": "step", "seq": self.seq, "step": self.step,
+                                      "rank": self.rank, "source": source}))
+            self.maybe_flush()
+
+    def _selection_notes(self) -> None:
+        """A selection that matched nothing by the end of the run: a warning and a note, never a
+        silent empty trace."""
+        if self.ops_recorded or self.cap_reached:
+            return
+        o = self.options
+        chosen = [f"{var}={val}" for var, val, on in (
+            ("OPGUARD_CAPTURE_STEPS", str(o.steps), o.steps.ranges is not None),
+            ("OPGUARD_CAPTURE_FUNCTIONS", ",".join(o.functions), bool(o.functions)),
+            ("OPGUARD_CAPTURE_MODULES", ",".join(o.modules), bool(o.modules)),
+            ("OPGUARD_CAPTURE_CONTEXTS", ",".join(o.contexts), bool(o.contexts))) if on]
+        if not chosen:
+            return
+        how = {"marker": "set by opguard.capture.step()", "optimizer": "advanced at each Optimizer.step()",
+               "none": "no opguard.capture.step() call and no Optimizer.step(): every call was step 0",
+               }[self.step_source]
+        self.note(f"the selection {' '.join(chosen)} matched no call: this trace holds no op record "
+                  f"(steps seen 0-{self.max_step}, {how})", warn=True)
 
     def close(self) -> None:
         if self.closed:
@@ -473,8 +589,10 @@ class Session:
         try:
             self.parents.clear()
             self.flush()
-            self.writer.write_line(records.encode({"v": 1, "kind": "end", "rank": self.rank, "records": self.records,
-                                                   "cap_reached": self.cap_reached}))
+            self._compile_notes()
+            self._selection_notes()
+            self.writer.write_line(records.encode({"v": records.VERSION, "kind": "end", "rank": self.rank,
+                                                   "records": self.records, "cap_reached": self.cap_reached}))
             self._write_tables()
             if self.sources.add(self.sites.files) or not (self.dir / "sources.json").exists():
                 self._write_atomic("sources.json", self.sources.as_json(self.rank))
@@ -484,6 +602,17 @@ class Session:
         finally:
             self.closed = True
             self.writer.close()
+
+    def _compile_notes(self) -> None:
+        dyn = sys.modules.get("torch._dynamo.utils")
+        counters = getattr(dyn, "counters", None)
+        try:
+            graphs = int(counters["stats"]["unique_graphs"]) if counters is not None else 0
+        except Exception:
+            graphs = 0
+        if graphs:
+            self.note(f"torch.compile: {graphs} compiled graph(s) ran in this process; the calls inside compiled "
+                      "code are not recorded (capture is invisible to Dynamo), only the calls around them")
 
     @property
     def path(self) -> Path:
