@@ -96,7 +96,8 @@ def test_mlp_forward_backward_every_field(out_env: dict[str, str], tmp_path: Pat
     entry = next(f for f in files if f["path"] == CALLS)
     assert entry["sha256"] == hashlib.sha256(Path(CALLS).read_bytes()).hexdigest()
     meta = json.loads((cap.path / "meta.json").read_text())
-    assert meta["version"] == 2 and meta["step_source"] == "marker" and meta["digest"]["mode"] == "full" and meta["ended_at"] is not None
+    assert meta["version"] == 2 and meta["step_source"] == "marker"
+    assert meta["digest"]["mode"] == "full" and meta["ended_at"] is not None
     assert meta["records"] == len(recs) - 1 and not meta["cap_reached"]
 
 
