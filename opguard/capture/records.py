@@ -40,14 +40,14 @@ METADATA_METHODS = frozenset({
 # property read is metadata, never recorded).
 TENSOR_PROPERTIES = frozenset({"grad", "data", "T", "mT", "H", "mH", "real", "imag"})
 # Python protocol calls that convert or test a tensor without computing a tensor: recorded only with
-# ``record_noise`` (docs/capture.md §3.1, "noise").
+# ``record_noise`` (docs/capture.md §3.5).
 PROTOCOL_METHODS = frozenset({
     "__index__", "__bool__", "__int__", "__float__", "__complex__", "__nonzero__", "__contains__",
     "__array_wrap__", "__reversed__", "__getstate__", "__reduce__", "__copy__",
 })
 # Kinds returned by :func:`function_name`.
 RECORD, METADATA, NOISE = 0, 1, 2
-# Ops whose output is uninitialised memory (``uninitialized: true`` on that output, §3.3).
+# Ops whose output is uninitialised memory (``uninitialized: true`` on that output, docs/capture.md §3.7).
 UNINITIALIZED_FNS = frozenset({
     "torch.empty", "torch.empty_like", "torch.empty_strided", "torch.empty_permuted", "Tensor.new_empty",
     "Tensor.new_empty_strided", "aten::empty.memory_format", "aten::empty.names", "aten::empty.out",
