@@ -37,7 +37,7 @@ def name_modules(module: torch.nn.Module, name: str) -> torch.nn.Module:
     return module
 
 
-_compiling = torch.compiler.is_compiling
+_compiling = torch.compiler.is_dynamo_compiling  # False in eager code, True while Dynamo traces
 # modules that take a fused inference fast path only when no torch function mode is active
 FAST_PATH_MODULES = (torch.nn.TransformerEncoderLayer, torch.nn.MultiheadAttention)
 

@@ -1,6 +1,7 @@
 """Call sites: the first user frame of a call, the digest of its stripped source line, the table.
 
-A frame is *internal* when its code lives in torch, in opguard, or in Python's import machinery;
+A frame is *internal* when its code lives in torch, in opguard, in code PyTorch generates
+(``torch.compile``'s inductor cache, FX ``<eval_with_key>`` modules) or in Python's import machinery;
 a frame is *library* code when it lives in the standard library or in an installed third-party
 package (``site-packages``/``dist-packages``: numpy, transformers, ...). The call site is the
 innermost frame that is neither; when every frame is library code (a program installed as a
@@ -43,6 +44,8 @@ def _library_dirs() -> tuple[str, ...]:
 
 
 _LIBRARY_DIRS = _library_dirs()
+# code PyTorch generates at run time (torch.compile's inductor output, FX graph modules): torch's own
+_GENERATED = (*(p for p in (os.environ.get("TORCHINDUCTOR_CACHE_DIR"),) if p), "<eval_with_key>")
 _LIBRARY_PARTS = (f"{os.sep}site-packages{os.sep}", f"{os.sep}dist-packages{os.sep}")
 
 
@@ -80,7 +83,8 @@ class SiteTable:
 
     def _classify(self, code: CodeType) -> int:
         fn = code.co_filename
-        if fn.startswith(_INTERNAL_DIRS) or fn.startswith("<frozen "):
+        if (fn.startswith(_INTERNAL_DIRS) or fn.startswith("<frozen ") or fn.startswith(_GENERATED)
+                or f"{os.sep}torchinductor_" in fn):
             return 2
         if fn.startswith(_LIBRARY_DIRS) or any(p in fn for p in _LIBRARY_PARTS):
             return 1

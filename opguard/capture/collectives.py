@@ -49,7 +49,7 @@ def _wrap(session: Session, name: str, orig: Callable[..., Any]) -> Callable[...
     @functools.wraps(orig)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         s = session
-        if not s.active or s.busy or torch.compiler.is_compiling():
+        if not s.active or s.busy or torch.compiler.is_dynamo_compiling():
             return orig(*args, **kwargs)
         call = None
         try:

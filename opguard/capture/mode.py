@@ -16,12 +16,13 @@ Two rules keep the program as it is without capture (``docs/capture.md`` §11):
   session (stderr once per stage and kind, ``capture_error`` on the record) and the op runs exactly
   as without capture. Only the op's own exception propagates.
 
-Under ``torch.compile`` tracing the mode does nothing (``torch.compiler.is_compiling()``): Dynamo
+Under ``torch.compile`` tracing the mode does nothing (``torch.compiler.is_dynamo_compiling()``): Dynamo
 sees a plain call.
 """
 
 from __future__ import annotations
 
+import math
 import sys
 import types as pytypes
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -34,7 +35,7 @@ from opguard.capture import records
 from opguard.capture.session import Call, Session
 
 _OPS = (torch._ops.OpOverload, torch._ops.OpOverloadPacket)
-_compiling = torch.compiler.is_compiling
+_compiling = torch.compiler.is_dynamo_compiling  # False in eager code, True while Dynamo traces
 
 
 def tensors_in(value: Any, slot: str) -> Iterator[tuple[str, torch.Tensor]]:
@@ -64,10 +65,25 @@ def input_slots(args: Sequence[Any], kwargs: Mapping[str, Any], method: bool) ->
     return out
 
 
+_Tensor, _Parameter = torch.Tensor, torch.nn.Parameter
+_isfinite = math.isfinite
+
+
 def _split(value: Any, slot: str, ts: list[tuple[str, torch.Tensor]], xs: list[dict[str, Any]]) -> None:
     """Tensor entries of ``value`` into ``ts``, its non-tensor argument entries into ``xs`` (schema v2:
     a list/tuple holding tensors gives one entry per element, ``<slot>.<j>``; one without, one entry)."""
-    if isinstance(value, torch.Tensor):
+    t = type(value)
+    if t is _Tensor or t is _Parameter:
+        ts.append((slot, value))
+    elif t is float and _isfinite(value):  # the common scalars, without the general canonical form
+        xs.append({"slot": slot, "type": "float", "value": value})
+    elif t is int and -(1 << 53) < value < (1 << 53):
+        xs.append({"slot": slot, "type": "int", "value": value})
+    elif t is bool:
+        xs.append({"slot": slot, "type": "bool", "value": value})
+    elif value is None:
+        xs.append({"slot": slot, "type": "none", "value": None})
+    elif isinstance(value, torch.Tensor):
         ts.append((slot, value))
     elif isinstance(value, (list, tuple)) and type(value) is not torch.Size and any(
             isinstance(v, torch.Tensor) for v in value):

@@ -8,6 +8,7 @@ with one stacked ``.cpu()`` per device, kind and dtype every ``buffer`` records 
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
 import socket
@@ -80,6 +81,23 @@ class _Summary:
     @property
     def has_stats(self) -> bool:
         return self.stats is not None or self.values is not None
+
+
+def _moments_json(mn: float, mx: float, total: float, squares: float, nonfinite: int, inf: int,
+                  n: int) -> dict[str, Any]:
+    """The JSON statistics of a kernel row; the all-finite case without :func:`records.json_float`."""
+    if nonfinite:
+        return _json_stats(finish_moments(mn, mx, total, squares, nonfinite, inf, n))
+    mean = total / n
+    if n > 1:
+        var = (squares - total * total / n) / (n - 1)
+        std = var ** 0.5 if var > 0.0 else 0.0
+    else:
+        std = 0.0
+    if not (math.isfinite(mean) and math.isfinite(std)):  # an overflowing sum of finite elements
+        return _json_stats(finish_moments(mn, mx, total, squares, nonfinite, inf, n))
+    return {"min": mn, "max": mx, "mean": mean, "std": std, "absmax": max(abs(mn), abs(mx)),
+            "nan": 0, "inf": 0}
 
 
 def _json_stats(st: dict[str, float | int]) -> dict[str, Any]:
@@ -192,6 +210,10 @@ class Session:
         s = None if fresh or n == 0 else self._lookup(key)
         if s is not None and (not want_stats or s.has_stats):
             return s
+        if s is None and n and contiguous and self.host_digest and t.is_cpu:
+            code = hostkernel.CODES.get(t.dtype)
+            if code is not None and not t.is_neg():
+                return self._fast_host(t, key, n, code if want_stats else None)
         self.busy += 1
         try:
             if self.host is not None and t.is_cpu:
@@ -199,6 +221,20 @@ class Session:
             return self._summarize(t, key, s, n, want_stats and bool(n), not contiguous and not fresh)
         finally:
             self.busy -= 1
+
+    def _fast_host(self, t: torch.Tensor, key: tuple[Any, ...], n: int, code: int | None) -> _Summary:
+        """The common case of :meth:`_summarize_host`: a contiguous real CPU tensor of an element type
+        the kernel reads, not seen before: one kernel call on its memory, no copy, no dispatch."""
+        kernel: Any = self.host  # not None: the caller checked host_digest
+        S, row = kernel.summary(t.data_ptr(), n * t.element_size(), -1 if code is None else code, True,
+                                   code is not None)
+        out = _Summary(None, None, n)
+        out.hex = finish(S, n)
+        if row is not None:
+            mn, mx, total, squares, nonfinite, inf = row
+            out.values = _moments_json(mn, mx, total, squares, nonfinite, inf, n)
+        self._remember(key, out, t)
+        return out
 
     def _summarize_host(self, t: torch.Tensor, key: tuple[Any, ...], s: _Summary | None, n: int,
                         want_stats: bool, range_stats: bool) -> _Summary:
@@ -612,7 +648,9 @@ class Session:
             graphs = 0
         if graphs:
             self.note(f"torch.compile: {graphs} compiled graph(s) ran in this process; the calls inside compiled "
-                      "code are not recorded (capture is invisible to Dynamo), only the calls around them")
+                      "code are not recorded one by one (capture is invisible to Dynamo): only the calls around "
+                      "them and the library kernels compiled code calls (e.g. torch.addmm), at the compiled "
+                      "module's call site")
 
     @property
     def path(self) -> Path:

@@ -17,7 +17,7 @@ import pytest
 torch = pytest.importorskip("torch", reason="capture needs torch (pip install torch, CPU build)")
 
 import opguard.capture as oc  # noqa: E402
-from opguard.capture import hostkernel, records, session  # noqa: E402
+from opguard.capture import records, session  # noqa: E402
 from tests.capture.helpers import ops, read_trace, trace_dir  # noqa: E402
 from tests.capture.progs import calls  # noqa: E402
 from tests.capture.progs.models import MLP  # noqa: E402
@@ -211,9 +211,9 @@ def test_a_failure_in_each_capture_stage_leaves_the_program_unchanged(
     if stage == "recording":
         monkeypatch.setattr(records, "arg_entry", _boom)
     elif stage == "digest":
-        monkeypatch.setattr(hostkernel, "summary", _boom)
+        monkeypatch.setattr(session, "finish", _boom)
     elif stage == "statistics":
-        monkeypatch.setattr(session, "finish_moments", _boom)
+        monkeypatch.setattr(session, "_moments_json", _boom)
     else:
         monkeypatch.setattr(records, "encode", _boom)
     losses, cap = _train({"OPGUARD_TRACE_OUTPUT_BASE": str(tmp_path)})
