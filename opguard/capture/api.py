@@ -99,8 +99,9 @@ class ModulePaths:
         if torch.is_grad_enabled() and (any(t.requires_grad for t in tensors)
                                         or any(p.requires_grad for p in m.parameters())):
             return
-        if isinstance(m, torch.nn.MultiheadAttention) and not m.batch_first:
-            return
+        if isinstance(m, torch.nn.MultiheadAttention) and not (
+                m.batch_first and len(tensors) >= 3 and tensors[0] is tensors[1] is tensors[2]):
+            return  # PyTorch's MHA fast path is batch-first self-attention only
         if any(path.startswith(p + ".") for p in s.fast_path_off):
             return  # its enclosing layer is listed already
         s.fast_path_off.append(path)
