@@ -239,3 +239,54 @@ def test_a_failure_in_each_capture_stage_leaves_the_program_unchanged(
                                for e in entries if e.get("digest") is None and "reason" in e)
         assert any(e.get("reason", "").startswith("summary failed") for e in entries)
         assert err.count("summarising a float32 tensor on cpu failed") == 1
+
+
+# ---- argument records: the canonical forms of schema v2 -------------------------------------------
+def test_argument_entries_canonical_forms() -> None:
+    import enum
+    import hashlib
+
+    class Color(enum.Enum):
+        RED = 1
+
+    e = records.arg_entry
+    assert e("approximate", "tanh") == {"slot": "approximate", "type": "str", "value": "tanh"}
+    assert e("arg1", 6e-4) == {"slot": "arg1", "type": "float", "value": 6e-4}
+    assert e("arg1", float("nan"))["value"] == "nan" and e("arg1", float("-inf"))["value"] == "-inf"
+    assert e("x", True) == {"slot": "x", "type": "bool", "value": True}
+    assert e("x", None) == {"slot": "x", "type": "none", "value": None}
+    assert e("x", 3) == {"slot": "x", "type": "int", "value": 3}
+    assert e("x", 1 + 2j) == {"slot": "x", "type": "complex", "value": [1.0, 2.0]}
+    assert e("dtype", torch.bfloat16) == {"slot": "dtype", "type": "dtype", "value": "bfloat16"}
+    assert e("device", torch.device("cpu")) == {"slot": "device", "type": "device", "value": "cpu"}
+    assert e("layout", torch.strided)["value"] == "strided"
+    assert e("memory_format", torch.channels_last)["value"] == "channels_last"
+    assert e("size", torch.Size([2, 3])) == {"slot": "size", "type": "shape", "value": [2, 3]}
+    assert e("c", Color.RED) == {"slot": "c", "type": "enum", "value": "Color.RED"}
+    assert e("i", slice(1, None, 2)) == {"slot": "i", "type": "slice", "value": [1, None, 2]}
+    assert e("i", ...) == {"slot": "i", "type": "ellipsis", "value": None}
+    assert e("i", (slice(0, 2), ..., None)) == {"slot": "i", "type": "list", "value": [[0, 2, None], None, None]}
+    assert e("o", object()) == {"slot": "o", "type": "object", "value": "builtins.object"}
+    long = list(range(40))
+    text = json.dumps(long, separators=(",", ":"))
+    assert len(text) > 64
+    assert e("arg1", long) == {"slot": "arg1", "type": "list", "len": len(text),
+                               "digest": hashlib.sha256(text.encode()).hexdigest()[:16]}
+    s = "x" * 65
+    assert e("s", s)["digest"] == hashlib.sha256(json.dumps(s).encode()).hexdigest()[:16]
+
+
+def test_argument_records_of_real_calls(tmp_path: Path) -> None:
+    x = torch.randn(4, 6)
+    with oc.capture(env={"OPGUARD_TRACE_OUTPUT_BASE": str(tmp_path)}) as cap:
+        x[1:3, ...]
+        torch.cat([x, x], dim=1)
+        x.to(torch.float64)
+        torch.nn.functional.gelu(x, approximate="none")
+    op = {r["fn"]: r for r in ops(read_trace(cap.path))}
+    assert op["Tensor.__getitem__"]["args"] == [{"slot": "arg1", "type": "list", "value": [[1, 3, None], None]}]
+    cat = op["torch.cat"]
+    assert [i["slot"] for i in cat["inputs"]] == ["arg0.0", "arg0.1"]
+    assert cat["args"] == [{"slot": "dim", "type": "int", "value": 1}]
+    assert op["Tensor.to"]["args"] == [{"slot": "arg1", "type": "dtype", "value": "float64"}]
+    assert op["torch.nn.functional.gelu"]["args"] == [{"slot": "approximate", "type": "str", "value": "none"}]
