@@ -33,6 +33,10 @@ from opguard.staging.layout import current_rank
 from opguard.staging.writers import JsonlWriter, open_jsonl, rank_dir, write_rank_file
 
 SEGMENT_BYTES = 64 << 20
+_Tensor, _Parameter, _STRIDED, _CPU = torch.Tensor, torch.nn.Parameter, torch.strided, torch.device("cpu")
+_DTYPE_NAMES = {d: str(d).removeprefix("torch.") for d in (
+    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16, torch.int8,
+    torch.uint8, torch.bool)}
 CACHE_ENTRIES = 8192
 TRACE = "capture/trace.jsonl"
 
@@ -331,8 +335,47 @@ class Session:
         if s is not None and s.ref is ref:  # not an entry re-made since for another tensor
             del self._cache[ref.key]
 
+    def _entry_fast(self, call: Call, slot: str, t: torch.Tensor, output: bool, fresh: bool) -> dict[str, Any] | None:
+        """:meth:`entry` for the common case in one frame: a plain, contiguous, non-empty CPU tensor
+        of an element type the native kernel reads (digest ``full``). Same cache key and results as
+        :meth:`summarize`; ``None`` when the general path must decide."""
+        tt = type(t)
+        if ((tt is not _Tensor and tt is not _Parameter) or not t.is_cpu or t.layout is not _STRIDED
+                or t.is_quantized or not t.is_contiguous() or t.is_neg()):
+            return None
+        n = t.numel()
+        dtype = t.dtype
+        code = hostkernel.CODES.get(dtype)
+        if not n or code is None:
+            return None
+        try:
+            version = t._version
+        except RuntimeError:  # an inference tensor: the general path
+            return None
+        key = (t.data_ptr(), n, dtype, _CPU, version)
+        s = None if fresh else self._lookup(key)
+        if s is None:
+            s = self._fast_host(t, key, n, code if output else None)
+        elif output and not s.has_stats:
+            return None
+        e: dict[str, Any] = {"slot": slot, "dtype": _DTYPE_NAMES.get(dtype) or records.dtype_name(dtype),
+                             "shape": list(t.shape), "device": "cpu", "digest": None}
+        if s.digest is None and s.hex is None:
+            e["reason"] = "digest mode none"
+        if output:
+            e["stats"] = None
+        call.fills.append((e, s, output))
+        return e
+
     def entry(self, call: Call, slot: str, t: torch.Tensor, output: bool, *, fresh: bool = False,
               uninitialized: bool = False) -> dict[str, Any]:
+        if self.host_digest and not uninitialized and (output or not self._uninit or not self._still_uninitialized(t)):
+            try:
+                fast = self._entry_fast(call, slot, t, output, fresh)
+            except Exception:  # the general path below says what failed
+                fast = None
+            if fast is not None:
+                return fast
         e: dict[str, Any] = {"slot": slot, "dtype": records.dtype_name(t.dtype), "shape": list(t.shape),
                              "device": records.device_name(t.device), "digest": None}
         if uninitialized or (self._uninit and not output and self._still_uninitialized(t)):
