@@ -132,8 +132,9 @@ def run_times(args: argparse.Namespace) -> dict[str, object]:
 
 def breakdown(args: argparse.Namespace) -> dict[str, float]:
     """One captured step (digest full) with the tensor work timed: where the cost is. With the
-    native host kernel (``--host-kernel native``, the default where built) its calls are
-    ``host_kernel_s``; with ``torch`` the PyTorch-ops digest and statistics are timed."""
+    native host kernel (``--host-kernel native``, the default where built) its calls (the
+    one-call path for new contiguous tensors included) are ``host_kernel_s``; with ``torch`` the
+    PyTorch-ops digest and statistics are timed."""
     import torch
 
     import opguard.capture as oc
@@ -146,7 +147,15 @@ def breakdown(args: argparse.Namespace) -> dict[str, float]:
     model, opt, idx, tgt = setup(args)
     transformer_step(model, opt, idx, tgt)
     acc = {"digest_s": 0.0, "stats_s": 0.0, "host_kernel_s": 0.0, "tensors": 0.0, "elements": 0.0}
-    full, row, native = dg.Digester._full, se.stats_row, hk.summary
+    full, row, native, fast = dg.Digester._full, se.stats_row, hk.summary, se.Session._fast_host
+
+    def timed_fast(self: se.Session, t: torch.Tensor, key: object, n: int, code: int | None) -> object:
+        t0 = time.perf_counter()
+        r = fast(self, t, key, n, code)  # type: ignore[arg-type]
+        acc["host_kernel_s"] += time.perf_counter() - t0
+        acc["tensors"] += 1
+        acc["elements"] += n
+        return r
 
     def timed_native(kernel: object, d: torch.Tensor, digest: bool, code: int | None) -> object:
         t0 = time.perf_counter()
@@ -173,6 +182,7 @@ def breakdown(args: argparse.Namespace) -> dict[str, float]:
     dg.Digester._full = timed_full  # type: ignore[method-assign]
     se.stats_row = timed_row
     hk.summary = timed_native  # type: ignore[assignment]
+    se.Session._fast_host = timed_fast  # type: ignore[method-assign,assignment]
     try:
         with tempfile.TemporaryDirectory() as d, oc.capture(env={"OPGUARD_TRACE_OUTPUT_BASE": d},
                                                             host_kernel=args.host_kernel):
@@ -188,6 +198,7 @@ def breakdown(args: argparse.Namespace) -> dict[str, float]:
         dg.Digester._full = full  # type: ignore[method-assign]
         hk.summary = native
         se.stats_row = row
+        se.Session._fast_host = fast  # type: ignore[method-assign]
     t0 = time.perf_counter()
     transformer_step(model, opt, idx, tgt)
     acc["baseline_step_s"] = time.perf_counter() - t0

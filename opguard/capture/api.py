@@ -9,12 +9,14 @@ active capture, so instrumented programs run unchanged without it.
 from __future__ import annotations
 
 import contextlib
+import sys
 import weakref
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch.nn.modules import module as nn_module
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from opguard.capture.collectives import Collectives
 from opguard.capture.dispatch import AtenMode, tag_outputs
@@ -33,6 +35,11 @@ def name_modules(module: torch.nn.Module, name: str) -> torch.nn.Module:
         raise ConfigError(f"module name {name!r} is empty or contains '/'", "pass a name like 'model'")
     _root_names[module] = name
     return module
+
+
+_compiling = torch.compiler.is_dynamo_compiling  # False in eager code, True while Dynamo traces
+# modules that take a fused inference fast path only when no torch function mode is active
+FAST_PATH_MODULES = (torch.nn.TransformerEncoderLayer, torch.nn.MultiheadAttention)
 
 
 class ModulePaths:
@@ -59,14 +66,48 @@ class ModulePaths:
         self.paths[m] = p
         return p
 
-    def _pre(self, m: torch.nn.Module, _args: Any) -> None:
-        self.session.modules.append(self.path(m))
+    def _pre(self, m: torch.nn.Module, args: Any) -> None:
+        if _compiling():  # Dynamo traces module hooks: capture's are invisible to it
+            return
+        try:
+            p = self.path(m)
+            if not m.training and type(m) in FAST_PATH_MODULES:
+                self._fast_path(m, p, args)
+        except Exception as err:
+            self.session.failed("recording", err)
+            p = type(m).__name__
+        self.session.modules.append(p)
         self.running.append(m)
 
     def _post(self, m: torch.nn.Module, _args: Any, _out: Any) -> None:
+        if _compiling():
+            return
         if self.running and self.running[-1] is m:
             self.running.pop()
             self.session.modules.pop()
+
+    def _fast_path(self, m: torch.nn.Module, path: str, args: Any) -> None:
+        """An eval-mode module whose fused fast path PyTorch refuses under any torch function mode
+        (``has_torch_function``): when the other conditions PyTorch checks first hold (autograd off
+        or no input/parameter requiring grad), capture moved it off that path: say so once."""
+        s = self.session
+        if path in s.fast_path_off or not s.active:
+            return
+        tensors = [a for a in args if isinstance(a, torch.Tensor)] if isinstance(args, tuple) else []
+        if not tensors or tensors[0].dim() != 3:
+            return
+        if torch.is_grad_enabled() and (any(t.requires_grad for t in tensors)
+                                        or any(p.requires_grad for p in m.parameters())):
+            return
+        if isinstance(m, torch.nn.MultiheadAttention) and not (
+                m.batch_first and len(tensors) >= 3 and tensors[0] is tensors[1] is tensors[2]):
+            return  # PyTorch's MHA fast path is batch-first self-attention only
+        if any(path.startswith(p + ".") for p in s.fast_path_off):
+            return  # its enclosing layer is listed already
+        s.fast_path_off.append(path)
+        s.note(f"{path} ({type(m).__name__}, eval mode) ran its standard path instead of PyTorch's fused fast "
+               "path: PyTorch takes that path only without a torch function mode (results can differ in the "
+               "last bits from uncaptured inference)", warn=True)
 
     def install(self) -> None:
         self.handles = [nn_module.register_module_forward_pre_hook(self._pre),
@@ -89,6 +130,7 @@ class Capture:
         self.modules = ModulePaths(self.session)
         self.collectives = Collectives(self.session)
         self._entered: list[Any] = []
+        self._optim_hook: Any = None
 
     @property
     def path(self) -> Any:
@@ -101,6 +143,8 @@ class Capture:
                               "nest no capture() blocks (opguard-run --capture already captures the whole program)")
         self.modules.install()
         self.collectives.install()
+        if self.options.step_auto:
+            self._optim_hook = register_optimizer_step_post_hook(self._optimizer_stepped)
         if self.aten is not None:
             self.aten.__enter__()  # type: ignore[no-untyped-call]
             self._entered.append(self.aten)
@@ -108,6 +152,19 @@ class Capture:
         self._entered.append(self.mode)
         _active = self
         return self
+
+    def _optimizer_stepped(self, _opt: Any, _args: Any, _kwargs: Any) -> None:
+        """Steps without code changes: each ``Optimizer.step()`` advances the step, unless the
+        program sets steps itself (``step()``: then markers alone decide)."""
+        if _compiling():
+            return
+        s = self.session
+        if s.step_source == "marker":
+            return
+        try:
+            s.advance("optimizer")
+        except Exception as err:
+            s.failed("writing", err)
 
     def stop(self) -> None:
         global _active
@@ -120,7 +177,14 @@ class Capture:
         finally:
             self.modules.uninstall()
             self.collectives.uninstall()
-            self.session.close()
+            if self._optim_hook is not None:
+                self._optim_hook.remove()
+                self._optim_hook = None
+            try:
+                self.session.close()
+            except Exception as err:  # the end of capture never breaks the program's exit
+                print(f"opguard capture: rank {self.session.rank}: writing the end of the trace failed "
+                      f"({type(err).__name__}: {err}); meta.json keeps ended_at null", file=sys.stderr, flush=True)
 
 
 @contextlib.contextmanager
@@ -164,10 +228,8 @@ def step(n: int | None = None) -> int:
     if cap is None:
         return -1 if n is None else n
     s = cap.session
-    s.step = s.step + 1 if n is None else n
-    if not s.cap_reached and not s.closed:
-        from opguard.capture.session import Call
-
-        s.pending.append(Call({"v": 1, "kind": "step", "seq": s.seq, "step": s.step, "rank": s.rank}))
-        s.maybe_flush()
+    try:
+        s.advance("marker", n)
+    except Exception as err:
+        s.failed("writing", err)
     return s.step

@@ -1,7 +1,11 @@
 """Call sites: the first user frame of a call, the digest of its stripped source line, the table.
 
-A frame is *internal* when its code lives in torch, in opguard, or in Python's import machinery;
-the call site is the innermost frame that is not. Classification is cached per code object and a
+A frame is *internal* when its code lives in torch, in opguard, in code PyTorch generates
+(``torch.compile``'s inductor cache, FX ``<eval_with_key>`` modules) or in Python's import machinery;
+a frame is *library* code when it lives in the standard library or in an installed third-party
+package (``site-packages``/``dist-packages``: numpy, transformers, ...). The call site is the
+innermost frame that is neither; when every frame is library code (a program installed as a
+package), the innermost frame that is not internal. Classification is cached per code object and a
 site per (code object, line), so the per-call cost is a short frame walk and two dict lookups.
 """
 
@@ -11,6 +15,7 @@ import hashlib
 import linecache
 import os
 import sys
+import sysconfig
 from dataclasses import dataclass
 from types import CodeType, FrameType
 from typing import Any
@@ -22,6 +27,26 @@ import opguard
 _INTERNAL_DIRS = tuple(
     os.path.dirname(os.path.abspath(p)) + os.sep for p in (torch.__file__, opguard.__file__))
 EMPTY_SHA = hashlib.sha256(b"").hexdigest()
+
+
+def _library_dirs() -> tuple[str, ...]:
+    dirs = set()
+    for key in ("stdlib", "platstdlib", "purelib", "platlib"):
+        try:
+            p = sysconfig.get_paths()[key]
+        except KeyError:
+            continue
+        dirs.add(os.path.abspath(p) + os.sep)
+    for p in sys.path:
+        if os.path.basename(p.rstrip(os.sep)) in ("site-packages", "dist-packages"):
+            dirs.add(os.path.abspath(p) + os.sep)
+    return tuple(sorted(dirs))
+
+
+_LIBRARY_DIRS = _library_dirs()
+# code PyTorch generates at run time (torch.compile's inductor output, FX graph modules): torch's own
+_GENERATED = (*(p for p in (os.environ.get("TORCHINDUCTOR_CACHE_DIR"),) if p), "<eval_with_key>")
+_LIBRARY_PARTS = (f"{os.sep}site-packages{os.sep}", f"{os.sep}dist-packages{os.sep}")
 
 
 @dataclass(frozen=True)
@@ -49,27 +74,40 @@ class SiteTable:
     """Every call site seen by this process, numbered in order of first appearance."""
 
     def __init__(self) -> None:
-        self._internal: dict[CodeType, bool] = {}
+        self._internal: dict[CodeType, int] = {}  # 0 user code, 1 library code, 2 internal
         self._sites: dict[tuple[CodeType, int], Site] = {}
         self._by_place: dict[tuple[str, int, str], Site] = {}
         self.sites: list[Site] = []
         self.files: set[str] = set()
         self.dirty = False
 
-    def _is_internal(self, code: CodeType) -> bool:
-        v = self._internal.get(code)
-        if v is None:
-            fn = code.co_filename
-            v = fn.startswith(_INTERNAL_DIRS) or fn.startswith("<frozen ")
-            self._internal[code] = v
-        return v
+    def _classify(self, code: CodeType) -> int:
+        fn = code.co_filename
+        if (fn.startswith(_INTERNAL_DIRS) or fn.startswith("<frozen ") or fn.startswith(_GENERATED)
+                or f"{os.sep}torchinductor_" in fn):
+            return 2
+        if fn.startswith(_LIBRARY_DIRS) or any(p in fn for p in _LIBRARY_PARTS):
+            return 1
+        return 0
 
     def lookup(self, frame: FrameType | None) -> Site:
-        """The site of the innermost non-internal frame at or above ``frame``."""
-        while frame is not None and self._is_internal(frame.f_code):
+        """The site of the innermost user frame at or above ``frame`` (else the innermost library frame)."""
+        kinds = self._internal
+        fallback: FrameType | None = None
+        while frame is not None:
+            code = frame.f_code
+            k = kinds.get(code)
+            if k is None:
+                k = kinds[code] = self._classify(code)
+            if not k:
+                break
+            if k == 1 and fallback is None:
+                fallback = frame
             frame = frame.f_back
         if frame is None:
-            return UNKNOWN
+            frame = fallback
+            if frame is None:
+                return UNKNOWN
         code = frame.f_code
         key = (code, frame.f_lineno)
         site = self._sites.get(key)

@@ -49,26 +49,33 @@ def _wrap(session: Session, name: str, orig: Callable[..., Any]) -> Callable[...
     @functools.wraps(orig)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         s = session
-        if not s.active or s.busy:
+        if not s.active or s.busy or torch.compiler.is_dynamo_compiling():
             return orig(*args, **kwargs)
+        call = None
         try:
             bound = sig.bind(*args, **kwargs)
-        except TypeError:
-            return orig(*args, **kwargs)  # let torch raise its own error
-        bound.apply_defaults()
-        arguments = bound.arguments
-        site = s.sites.lookup(sys._getframe(1))
-        call = s.begin("collective", fn, site)
-        rec = call.rec
-        s.inputs(call, [st for p, v in arguments.items() if p not in only_written for st in tensors_in(v, p)])
-        group = arguments.get("group")
-        try:
-            rec["group_size"] = dist.get_world_size(group) if dist.is_initialized() else None
-        except Exception:  # a group this rank is not part of
-            rec["group_size"] = None
-        if "op" in arguments:
-            rec["op"] = getattr(arguments["op"], "name", str(arguments["op"]))
-        is_async = name in ASYNC_ALWAYS or bool(arguments.get("async_op", False))
+            bound.apply_defaults()
+            arguments = bound.arguments
+            site = s.sites.lookup(sys._getframe(1))
+            call = s.begin("collective", fn, site)
+            rec = call.rec
+            s.inputs(call, [st for p, v in arguments.items() if p not in only_written for st in tensors_in(v, p)])
+            group = arguments.get("group")
+            try:
+                rec["group_size"] = dist.get_world_size(group) if dist.is_initialized() else None
+            except Exception:  # a group this rank is not part of
+                rec["group_size"] = None
+            if "op" in arguments:
+                rec["op"] = getattr(arguments["op"], "name", str(arguments["op"]))
+            is_async = name in ASYNC_ALWAYS or bool(arguments.get("async_op", False))
+        except TypeError as err:
+            if call is None:
+                return orig(*args, **kwargs)  # arguments that do not bind: let torch raise its own error
+            s.failed("recording", err, call)
+            return orig(*args, **kwargs)
+        except Exception as err:
+            s.failed("recording", err, call)
+            return orig(*args, **kwargs)
         s.parents.append(rec["seq"])
         try:
             result = orig(*args, **kwargs)
@@ -77,11 +84,17 @@ def _wrap(session: Session, name: str, orig: Callable[..., Any]) -> Callable[...
             raise
         finally:
             s.parents.pop()
-        if is_async:
-            rec["async"] = True
-        elif not s.cap_reached:
-            s.outputs(call, [st for p in written for st in tensors_in(arguments.get(p), p)], fresh=True)
-        s.maybe_flush()
+        try:
+            if is_async:
+                rec["async"] = True
+            elif not s.cap_reached:
+                s.outputs(call, [st for p in written for st in tensors_in(arguments.get(p), p)], fresh=True)
+        except Exception as err:
+            s.failed("recording", err, call)
+        try:
+            s.maybe_flush()
+        except Exception as err:
+            s.failed("writing", err)
         return result
 
     return wrapper

@@ -42,9 +42,17 @@ def fmix64(z: int) -> int:
     return z
 
 
+_fmix_n: dict[int, int] = {}
+
+
 def finish(s: int, n: int) -> str:
     """The printed digest from the fetched device sum ``s`` and the element count ``n``."""
-    return f"{fmix64((s & MASK64) ^ fmix64(n)):016x}"
+    fn = _fmix_n.get(n)
+    if fn is None:
+        fn = fmix64(n)
+        if len(_fmix_n) < 65536:
+            _fmix_n[n] = fn
+    return f"{fmix64((s & MASK64) ^ fn):016x}"
 
 
 def splitmix64(seed: int, count: int) -> list[int]:

@@ -15,7 +15,8 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from opguard.capture.mode import tensors_in
+from opguard.capture import records
+from opguard.capture.mode import _split, tensors_in
 from opguard.capture.session import Call, Session
 
 META_KEY = "opguard"
@@ -60,18 +61,31 @@ class AtenMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
             fwd = meta.get(META_KEY) if meta is not None else None
         if not s.selected(name, s.module, s.context):
             return func(*args, **kwargs)
-        site = s.sites.lookup(sys._getframe(1))
-        call = s.begin("aten", name, site, phase="backward" if node is not None else "forward")
+        call: Call | None = None
+        try:
+            site = s.sites.lookup(sys._getframe(1))
+            call = s.begin("aten", name, site, phase="backward" if node is not None else "forward")
+            rec = call.rec
+            if node is not None:
+                rec["fwd"] = fwd
+                if fwd is not None:
+                    for k in ("file", "line", "func", "src", "site", "module"):
+                        rec[k] = fwd[k]
+            names = [a.name for a in func._schema.arguments]
+            ins: list[tuple[str, torch.Tensor]] = []
+            xs: list[dict[str, Any]] = []
+            for i, a in enumerate(args):
+                _split(a, names[i] if i < len(names) else f"arg{i}", ins, xs)
+            for k, v in kwargs.items():
+                _split(v, k, ins, xs)
+            if xs:
+                rec["args"] = xs
+            s.inputs(call, ins)
+        except Exception as err:
+            s.failed("recording", err, call)
+        if call is None:
+            return func(*args, **kwargs)
         rec = call.rec
-        if node is not None:
-            rec["fwd"] = fwd
-            if fwd is not None:
-                for k in ("file", "line", "func", "src", "site", "module"):
-                    rec[k] = fwd[k]
-        names = [a.name for a in func._schema.arguments]
-        ins = [st for i, a in enumerate(args) for st in tensors_in(a, names[i] if i < len(names) else f"arg{i}")]
-        ins += [st for k, v in kwargs.items() for st in tensors_in(v, k)]
-        s.inputs(call, ins)
         s.parents.append(rec["seq"])
         try:
             result = func(*args, **kwargs)
@@ -80,7 +94,13 @@ class AtenMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
             raise
         finally:
             s.parents.pop()
-        if not s.cap_reached:
-            s.outputs(call, list(tensors_in(result, "out")))
-        s.maybe_flush()
+        try:
+            if not s.cap_reached:
+                s.outputs(call, list(tensors_in(result, "out")), uninitialized=name in records.UNINITIALIZED_FNS)
+        except Exception as err:
+            s.failed("recording", err, call)
+        try:
+            s.maybe_flush()
+        except Exception as err:
+            s.failed("writing", err)
         return result

@@ -11,6 +11,7 @@ from fnmatch import fnmatchcase
 
 import torch
 
+from opguard.capture import records
 from opguard.capture.callsite import Site
 from opguard.capture.options import CaptureOptions
 from opguard.staging.writers import write_rank_file
@@ -70,5 +71,5 @@ def write_dump(rank: int, seq: int, slot: str, data: bytes, env: Mapping[str, st
     """Write one dump atomically into this rank's directory; returns the ``dump`` record."""
     rel = dump_relpath(seq, slot)
     write_rank_file(rel, data, rank=rank, env=env)
-    return {"v": 1, "kind": "dump", "seq": seq, "slot": slot, "path": rel, "bytes": len(data),
+    return {"v": records.VERSION, "kind": "dump", "seq": seq, "slot": slot, "path": rel, "bytes": len(data),
             "sha256": hashlib.sha256(data).hexdigest()}

@@ -3,10 +3,26 @@
 Nested calls (a Python-level torch function calling others, ``backward()`` calling autograd) are
 recorded too: the handler re-enters the mode around ``redispatch_function``, so inner calls come
 back here with ``depth`` + 1 and ``parent`` set.
+
+Two rules keep the program as it is without capture (``docs/capture.md`` §11):
+
+* **No re-entry of the call being handled.** Some Python-level torch functions come back to the mode
+  for *the same call* once the mode is re-entered (``Tensor.unflatten`` -> ``handle_torch_function``
+  -> ``super().unflatten`` -> the mode with ``Tensor.unflatten`` again, forever). A call whose function
+  and first argument are those of the innermost call this mode re-entered for is that same call: it
+  runs directly (the mode is off the stack inside the handler), unrecorded.
+* **Capture's own failures are contained.** Everything capture does around the call (naming,
+  call site, tensor entries, arguments, writing) runs in ``try``; a failure is reported by the
+  session (stderr once per stage and kind, ``capture_error`` on the record) and the op runs exactly
+  as without capture. Only the op's own exception propagates.
+
+Under ``torch.compile`` tracing the mode does nothing (``torch.compiler.is_dynamo_compiling()``): Dynamo
+sees a plain call.
 """
 
 from __future__ import annotations
 
+import math
 import sys
 import types as pytypes
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -19,6 +35,7 @@ from opguard.capture import records
 from opguard.capture.session import Call, Session
 
 _OPS = (torch._ops.OpOverload, torch._ops.OpOverloadPacket)
+_compiling = torch.compiler.is_dynamo_compiling  # False in eager code, True while Dynamo traces
 
 
 def tensors_in(value: Any, slot: str) -> Iterator[tuple[str, torch.Tensor]]:
@@ -48,57 +65,137 @@ def input_slots(args: Sequence[Any], kwargs: Mapping[str, Any], method: bool) ->
     return out
 
 
+_Tensor, _Parameter = torch.Tensor, torch.nn.Parameter
+_isfinite = math.isfinite
+
+
+def _split(value: Any, slot: str, ts: list[tuple[str, torch.Tensor]], xs: list[dict[str, Any]]) -> None:
+    """Tensor entries of ``value`` into ``ts``, its non-tensor argument entries into ``xs`` (schema v2:
+    a list/tuple holding tensors gives one entry per element, ``<slot>.<j>``; one without, one entry)."""
+    t = type(value)
+    if t is _Tensor or t is _Parameter:
+        ts.append((slot, value))
+    elif t is float and _isfinite(value):  # the common scalars, without the general canonical form
+        xs.append({"slot": slot, "type": "float", "value": value})
+    elif t is int and -(1 << 53) < value < (1 << 53):
+        xs.append({"slot": slot, "type": "int", "value": value})
+    elif t is bool:
+        xs.append({"slot": slot, "type": "bool", "value": value})
+    elif value is None:
+        xs.append({"slot": slot, "type": "none", "value": None})
+    elif isinstance(value, torch.Tensor):
+        ts.append((slot, value))
+    elif isinstance(value, (list, tuple)) and type(value) is not torch.Size and any(
+            isinstance(v, torch.Tensor) for v in value):
+        for j, v in enumerate(value):
+            if isinstance(v, torch.Tensor):
+                ts.append((f"{slot}.{j}", v))
+            elif isinstance(v, (list, tuple)) and any(isinstance(w, torch.Tensor) for w in v):
+                ts.extend((f"{slot}.{j}.{k}", w) for k, w in enumerate(v) if isinstance(w, torch.Tensor))
+            else:
+                xs.append(records.arg_entry(f"{slot}.{j}", v))
+    elif isinstance(value, Mapping) and any(isinstance(v, torch.Tensor) for v in value.values()):
+        ts.extend(tensors_in(value, slot))
+    else:
+        xs.append(records.arg_entry(slot, value))
+
+
+def split_args(args: Sequence[Any], kwargs: Mapping[str, Any], method: bool
+               ) -> tuple[list[tuple[str, torch.Tensor]], list[dict[str, Any]]]:
+    """(tensor slots, non-tensor ``args`` entries) of one call, in argument order."""
+    ts: list[tuple[str, torch.Tensor]] = []
+    xs: list[dict[str, Any]] = []
+    for i, a in enumerate(args):
+        _split(a, "self" if method and i == 0 else f"arg{i}", ts, xs)
+    for k, v in kwargs.items():
+        _split(v, k, ts, xs)
+    return ts, xs
+
+
 class CaptureMode(TorchFunctionMode):
     def __init__(self, session: Session, on_output: Callable[[Call, Any], None] | None = None) -> None:
         super().__init__()
         self.session = session
         self.nested = session.options.nested
+        self.noise = session.options.record_noise
         self.on_output = on_output  # dispatch level: tag grad_fn of outputs
+        # (function, first argument) of the calls this mode re-entered itself for, innermost last
+        self.inflight: list[tuple[Any, Any]] = []
 
     def __torch_function__(self, func: Any, types: Any, args: Sequence[Any] = (),
                            kwargs: Mapping[str, Any] | None = None) -> Any:
+        if _compiling():  # Dynamo traces this handler: capture is invisible to it
+            return func(*args, **(kwargs or {}))
         kwargs = kwargs or {}
         s = self.session
         if s.busy or isinstance(func, _OPS):  # capture's own work; torch.ops (the dispatch level's)
             return func(*args, **kwargs)
-        name, meta = records.function_name(func)
-        if meta or not s.active:
+        inflight = self.inflight
+        if inflight:
+            f0, a0 = inflight[-1]
+            if f0 is func and (args[0] if args else None) is a0:
+                return func(*args, **kwargs)  # PyTorch came back for the call being handled: run it
+        try:
+            name, kind = records.function_name(func)
+        except Exception as err:
+            s.failed("recording", err)
+            return func(*args, **kwargs)
+        if (kind and (kind == records.METADATA or not self.noise)) or not s.active:
             return func(*args, **kwargs)
         # only Python-level torch functions call other torch functions: re-enter the mode for them
         reenter = self.nested and isinstance(func, pytypes.FunctionType)
-        module, context = s.module, s.context
-        if not s.selected(name, module, context):
-            if not reenter:
-                return func(*args, **kwargs)
-            with self:
-                return redispatch_function(func, types, args, kwargs)  # type: ignore[no-untyped-call]
-        site = s.sites.lookup(sys._getframe(1))
-        call = s.begin("function", name, site, where=(module, context))
-        ins = input_slots(args, kwargs, name.startswith("Tensor."))
-        s.inputs(call, ins)
-        if s.policy.enabled and not s.parents and s.policy.wants(s.step, name, module, context, site):
-            s.dump(call.rec["seq"], ins)
-            dump_out = True
-        else:
-            dump_out = False
-        s.parents.append(call.rec["seq"])
+        call: Call | None = None
+        dump_out = False
+        try:
+            module, context = s.module, s.context
+            if s.selected(name, module, context):
+                site = s.sites.lookup(sys._getframe(1))
+                call = s.begin("function", name, site, where=(module, context))
+                ins, xs = split_args(args, kwargs, name.startswith("Tensor."))
+                if xs:
+                    call.rec["args"] = xs
+                s.inputs(call, ins)
+                if s.policy.enabled and not s.parents and s.policy.wants(s.step, name, module, context, site):
+                    s.dump(call.rec["seq"], ins)
+                    dump_out = True
+        except Exception as err:
+            s.failed("recording", err, call)
+        if call is None and not reenter:
+            return func(*args, **kwargs)
+        if call is not None:
+            s.parents.append(call.rec["seq"])
         try:
             if reenter:
-                with self:
-                    result = redispatch_function(func, types, args, kwargs)  # type: ignore[no-untyped-call]
+                inflight.append((func, args[0] if args else None))
+                try:
+                    with self:
+                        result = redispatch_function(func, types, args, kwargs)  # type: ignore[no-untyped-call]
+                finally:
+                    inflight.pop()
             else:
                 result = func(*args, **kwargs)
         except BaseException as e:
-            call.rec["error"] = f"{type(e).__name__}: {e}"[:500]
+            if call is not None:
+                call.rec["error"] = f"{type(e).__name__}: {e}"[:500]
             raise
         finally:
-            s.parents.pop()
-        if not s.cap_reached:
-            outs = list(tensors_in(result, "out"))
-            s.outputs(call, outs)
-            if dump_out:
-                s.dump(call.rec["seq"], [(f"{slot}", t) for slot, t in outs])
-            if self.on_output is not None:
-                self.on_output(call, outs)
-        s.maybe_flush()
+            if call is not None:
+                s.parents.pop()
+        if call is None:
+            return result
+        try:
+            if not s.cap_reached:
+                outs = list(tensors_in(result, "out"))
+                s.outputs(call, outs, uninitialized=name in records.UNINITIALIZED_FNS)
+                if dump_out:
+                    s.dump(call.rec["seq"], [(f"{slot}", t) for slot, t in outs])
+                if self.on_output is not None:
+                    self.on_output(call, outs)
+        except Exception as err:
+            s.failed("recording", err, call)
+        try:
+            s.maybe_flush()
+        except Exception as err:
+            s.failed("writing", err)
         return result
+

@@ -95,6 +95,8 @@ class CaptureOptions:
     buffer: int = 256
     nested: bool = True
     host_kernel: str = "auto"
+    record_noise: bool = False
+    step_auto: bool = True
 
     def __post_init__(self) -> None:
         if self.level not in LEVELS:
@@ -196,7 +198,7 @@ def _convert(name: str, raw: Any, what: str) -> Any:
             return int(raw)
         except (TypeError, ValueError):
             raise ConfigError(f"{what}={raw!r} is not an integer", f"set {what} to e.g. 256") from None
-    if name == "nested":
+    if name in ("nested", "record_noise", "step_auto"):
         if isinstance(raw, bool):
             return raw
         text = str(raw).strip().lower()

@@ -1,16 +1,20 @@
-"""Record building: names of captured functions, tensor entries, JSON encoding (schema version 1)."""
+"""Record building: names of captured functions, tensor entries, non-tensor arguments, JSON encoding
+(schema version 2, ``docs/capture.md`` §3)."""
 
 from __future__ import annotations
 
+import enum
+import hashlib
 import json
 import math
+import numbers
 from typing import Any
 
 import orjson
 import torch
 
 SCHEMA = "opguard-capture"
-VERSION = 1
+VERSION = 2
 
 _MODULE_ALIASES = {
     "torch._C._nn": "torch.nn.functional",
@@ -32,14 +36,31 @@ METADATA_METHODS = frozenset({
     "register_hook", "retain_grad", "requires_grad_", "_is_view", "is_inference",
     "_set_grad_enabled", "is_grad_enabled", "set_grad_enabled", "_get_tracing_state", "is_tensor",
 })
-# Properties recorded when read (they return tensor data); every other property read is metadata.
+# Properties that return tensor data: recorded when read only with ``record_noise`` (every other
+# property read is metadata, never recorded).
 TENSOR_PROPERTIES = frozenset({"grad", "data", "T", "mT", "H", "mH", "real", "imag"})
+# Python protocol calls that convert or test a tensor without computing a tensor: recorded only with
+# ``record_noise`` (docs/capture.md §3.5).
+PROTOCOL_METHODS = frozenset({
+    "__index__", "__bool__", "__int__", "__float__", "__complex__", "__nonzero__", "__contains__",
+    "__array_wrap__", "__reversed__", "__getstate__", "__reduce__", "__copy__",
+})
+# Kinds returned by :func:`function_name`.
+RECORD, METADATA, NOISE = 0, 1, 2
+# Ops whose output is uninitialised memory (``uninitialized: true`` on that output, docs/capture.md §3.7).
+UNINITIALIZED_FNS = frozenset({
+    "torch.empty", "torch.empty_like", "torch.empty_strided", "torch.empty_permuted", "Tensor.new_empty",
+    "Tensor.new_empty_strided", "aten::empty.memory_format", "aten::empty.names", "aten::empty.out",
+    "aten::empty_like.default", "aten::empty_strided.default", "aten::new_empty.default",
+    "aten::new_empty_strided.default", "aten::empty_permuted.default",
+})
 
-_names: dict[Any, tuple[str, bool]] = {}
+_names: dict[Any, tuple[str, int]] = {}
 
 
-def function_name(func: Any) -> tuple[str, bool]:
-    """(qualified name, is metadata-only) for a function seen by the torch function mode."""
+def function_name(func: Any) -> tuple[str, int]:
+    """(qualified name, kind) for a function seen by the torch function mode: kind ``RECORD``,
+    ``METADATA`` (never recorded) or ``NOISE`` (recorded only with ``record_noise``)."""
     try:
         hit = _names.get(func)
     except TypeError:  # unhashable callable
@@ -54,24 +75,30 @@ def function_name(func: Any) -> tuple[str, bool]:
     return name, meta
 
 
-def _compute_name(func: Any) -> tuple[str, bool]:
+def _kind(method: str) -> int:
+    if method in METADATA_METHODS:
+        return METADATA
+    return NOISE if method in PROTOCOL_METHODS else RECORD
+
+
+def _compute_name(func: Any) -> tuple[str, int]:
     owner = getattr(func, "__self__", None)
     fname = getattr(func, "__name__", None) or type(func).__name__
     if fname in ("__get__", "__set__", "__delete__") and owner is not None and hasattr(owner, "__objclass__"):
         attr = getattr(owner, "__name__", "?")
-        return f"Tensor.{attr}", fname != "__get__" or attr not in TENSOR_PROPERTIES
+        return f"Tensor.{attr}", NOISE if fname == "__get__" and attr in TENSOR_PROPERTIES else METADATA
     if isinstance(func, torch._ops.OpOverload):
-        return f"aten::{func._opname}.{func._overloadname}" if func.namespace == "aten" else str(func), False
+        return f"aten::{func._opname}.{func._overloadname}" if func.namespace == "aten" else str(func), RECORD
     qual = getattr(func, "__qualname__", fname)
     head = qual.split(".", 1)[0]
     if head in ("TensorBase", "Tensor", "_TensorBase"):
         method = qual.split(".", 1)[1] if "." in qual else fname
-        return f"Tensor.{method}", method in METADATA_METHODS
+        return f"Tensor.{method}", _kind(method)
     if head == "_VariableFunctionsClass":
-        return f"torch.{fname}", fname in METADATA_METHODS
+        return f"torch.{fname}", _kind(fname)
     module = getattr(func, "__module__", None) or "torch"
     module = _MODULE_ALIASES.get(module, module)
-    return f"{module}.{qual}", fname in METADATA_METHODS
+    return f"{module}.{qual}", _kind(fname)
 
 
 _dtype_names: dict[torch.dtype, str] = {}
@@ -124,3 +151,71 @@ def encode(obj: dict[str, Any]) -> bytes:
         return orjson.dumps(obj, option=orjson.OPT_APPEND_NEWLINE)
     except TypeError:
         return (json.dumps(obj, separators=(",", ":"), allow_nan=False) + "\n").encode()
+
+
+# ---- non-tensor arguments (schema v2, docs/capture.md §3.4) ----------------------------------------
+ARG_VALUE_MAX = 64  # canonical JSON text longer than this: digest + length instead of the value
+
+
+def _canonical(v: Any) -> tuple[str, Any]:
+    """(type, canonical JSON value) of one non-tensor argument."""
+    t = type(v)
+    if v is None:
+        return "none", None
+    if t is bool:
+        return "bool", v
+    if t is int:
+        return "int", v
+    if t is float:
+        return "float", json_float(v)
+    if t is str:
+        return "str", v
+    if t is torch.dtype:
+        return "dtype", str(v).removeprefix("torch.")
+    if t is torch.device:
+        return "device", str(v)
+    if t is torch.Size:
+        return "shape", list(v)
+    if t is torch.layout:
+        return "layout", str(v).removeprefix("torch.")
+    if t is torch.memory_format:
+        return "memory_format", str(v).removeprefix("torch.")
+    if t is slice:
+        return "slice", [_canonical(x)[1] for x in (v.start, v.stop, v.step)]
+    if v is Ellipsis:
+        return "ellipsis", None
+    if isinstance(v, (list, tuple)):
+        return "list", [_canonical(x)[1] for x in v]
+    if isinstance(v, enum.Enum):
+        return "enum", f"{t.__name__}.{v.name}"
+    if isinstance(v, bool):
+        return "bool", bool(v)
+    if isinstance(v, numbers.Integral):
+        return "int", int(v)
+    if isinstance(v, numbers.Real):
+        return "float", json_float(float(v))
+    if isinstance(v, numbers.Complex):
+        c = complex(v)
+        return "complex", [json_float(c.real), json_float(c.imag)]
+    if isinstance(v, str):
+        return "str", str(v)
+    if isinstance(v, torch.Tensor):  # a tensor nested deeper than tensor entries reach
+        return "object", "torch.Tensor"
+    return "object", f"{t.__module__}.{t.__qualname__}"
+
+
+def canonical_text(value: Any) -> str:
+    """The canonical JSON text of a canonical value: compact separators, keys as given, ASCII escapes."""
+    return json.dumps(value, separators=(",", ":"), allow_nan=False)
+
+
+def arg_entry(slot: str, v: Any) -> dict[str, Any]:
+    """One ``args`` entry: ``{"slot", "type", "value"}`` or, for a canonical JSON text longer than
+    ARG_VALUE_MAX characters, ``{"slot", "type", "digest", "len"}``."""
+    kind, value = _canonical(v)
+    if kind in ("none", "bool", "float", "dtype", "device", "layout", "memory_format", "ellipsis"):
+        return {"slot": slot, "type": kind, "value": value}
+    text = canonical_text(value)
+    if len(text) > ARG_VALUE_MAX:
+        return {"slot": slot, "type": kind, "digest": hashlib.sha256(text.encode()).hexdigest()[:16], "len": len(text)}
+    return {"slot": slot, "type": kind, "value": value}

@@ -8,6 +8,7 @@ with one stacked ``.cpu()`` per device, kind and dtype every ``buffer`` records 
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
 import socket
@@ -32,6 +33,10 @@ from opguard.staging.identity import process_identity
 from opguard.staging.writers import JsonlWriter, open_jsonl, rank_dir, write_rank_file
 
 SEGMENT_BYTES = 64 << 20
+_Tensor, _Parameter, _STRIDED, _CPU = torch.Tensor, torch.nn.Parameter, torch.strided, torch.device("cpu")
+_DTYPE_NAMES = {d: str(d).removeprefix("torch.") for d in (
+    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16, torch.int8,
+    torch.uint8, torch.bool)}
 CACHE_ENTRIES = 8192
 TRACE = "capture/trace.jsonl"
 
@@ -80,6 +85,23 @@ class _Summary:
     @property
     def has_stats(self) -> bool:
         return self.stats is not None or self.values is not None
+
+
+def _moments_json(mn: float, mx: float, total: float, squares: float, nonfinite: int, inf: int,
+                  n: int) -> dict[str, Any]:
+    """The JSON statistics of a kernel row; the all-finite case without :func:`records.json_float`."""
+    if nonfinite:
+        return _json_stats(finish_moments(mn, mx, total, squares, nonfinite, inf, n))
+    mean = total / n
+    if n > 1:
+        var = (squares - total * total / n) / (n - 1)
+        std = var ** 0.5 if var > 0.0 else 0.0
+    else:
+        std = 0.0
+    if not (math.isfinite(mean) and math.isfinite(std)):  # an overflowing sum of finite elements
+        return _json_stats(finish_moments(mn, mx, total, squares, nonfinite, inf, n))
+    return {"min": mn, "max": mx, "mean": mean, "std": std, "absmax": max(abs(mn), abs(mx)),
+            "nan": 0, "inf": 0}
 
 
 def _json_stats(st: dict[str, float | int]) -> dict[str, Any]:
@@ -133,6 +155,14 @@ class Session:
         self.busy = 0  # > 0 while capture itself runs tensor work (the dispatch level ignores it)
         self.on_cap: list[Any] = []  # callables run when the cap stops interception
         self._failures: set[tuple[str, torch.dtype]] = set()  # summary failures already said on stderr
+        self._stage_failures: dict[tuple[str, str], int] = {}  # (stage, exception type) -> count
+        # outputs of uninitialised-memory ops not written since: data_ptr -> (weak ref, _version)
+        self._uninit: dict[int, tuple[weakref.ref[torch.Tensor], int]] = {}
+        self.step_source = "none"  # "marker" once step() was called, "optimizer" once Optimizer.step advanced it
+        self.notes: list[str] = []
+        self.fast_path_off: list[str] = []
+        self.ops_recorded = 0
+        self.max_step = 0
         self.started_at = time.time()
         self.writer: JsonlWriter = open_jsonl(TRACE, rank=self.rank, env=environ, rotate_bytes=SEGMENT_BYTES)
         self._write_meta(final=False)
@@ -172,13 +202,23 @@ class Session:
             return reason
         n = t.numel()
         contiguous = t.is_contiguous()
+        version: object
+        try:
+            version = t._version
+        except RuntimeError:  # an inference tensor: no version counter, so never served from the cache
+            version = object()
+            fresh = True
         if contiguous:
-            key: tuple[Any, ...] = (t.data_ptr(), n, t.dtype, t.device, t._version)
+            key: tuple[Any, ...] = (t.data_ptr(), n, t.dtype, t.device, version)
         else:
-            key = (t.data_ptr(), t.shape, t.stride(), t.dtype, t.device, t._version)
+            key = (t.data_ptr(), t.shape, t.stride(), t.dtype, t.device, version)
         s = None if fresh or n == 0 else self._lookup(key)
         if s is not None and (not want_stats or s.has_stats):
             return s
+        if s is None and n and contiguous and self.host_digest and t.is_cpu:
+            code = hostkernel.CODES.get(t.dtype)
+            if code is not None and not t.is_neg():
+                return self._fast_host(t, key, n, code if want_stats else None)
         self.busy += 1
         try:
             if self.host is not None and t.is_cpu:
@@ -186,6 +226,20 @@ class Session:
             return self._summarize(t, key, s, n, want_stats and bool(n), not contiguous and not fresh)
         finally:
             self.busy -= 1
+
+    def _fast_host(self, t: torch.Tensor, key: tuple[Any, ...], n: int, code: int | None) -> _Summary:
+        """The common case of :meth:`_summarize_host`: a contiguous real CPU tensor of an element type
+        the kernel reads, not seen before: one kernel call on its memory, no copy, no dispatch."""
+        kernel: Any = self.host  # not None: the caller checked host_digest
+        S, row = kernel.summary(t.data_ptr(), n * t.element_size(), -1 if code is None else code, True,
+                                   code is not None)
+        out = _Summary(None, None, n)
+        out.hex = finish(S, n)
+        if row is not None:
+            mn, mx, total, squares, nonfinite, inf = row
+            out.values = _moments_json(mn, mx, total, squares, nonfinite, inf, n)
+        self._remember(key, out, t)
+        return out
 
     def _summarize_host(self, t: torch.Tensor, key: tuple[Any, ...], s: _Summary | None, n: int,
                         want_stats: bool, range_stats: bool) -> _Summary:
@@ -282,9 +336,56 @@ class Session:
         if s is not None and s.ref is ref:  # not an entry re-made since for another tensor
             del self._cache[ref.key]
 
-    def entry(self, call: Call, slot: str, t: torch.Tensor, output: bool, *, fresh: bool = False) -> dict[str, Any]:
+    def _entry_fast(self, call: Call, slot: str, t: torch.Tensor, output: bool, fresh: bool) -> dict[str, Any] | None:
+        """:meth:`entry` for the common case in one frame: a plain, contiguous, non-empty CPU tensor
+        of an element type the native kernel reads (digest ``full``). Same cache key and results as
+        :meth:`summarize`; ``None`` when the general path must decide."""
+        tt = type(t)
+        if ((tt is not _Tensor and tt is not _Parameter) or not t.is_cpu or t.layout is not _STRIDED
+                or t.is_quantized or not t.is_contiguous() or t.is_neg()):
+            return None
+        n = t.numel()
+        dtype = t.dtype
+        code = hostkernel.CODES.get(dtype)
+        if not n or code is None:
+            return None
+        try:
+            version = t._version
+        except RuntimeError:  # an inference tensor: the general path
+            return None
+        key = (t.data_ptr(), n, dtype, _CPU, version)
+        s = None if fresh else self._lookup(key)
+        if s is None:
+            s = self._fast_host(t, key, n, code if output else None)
+        elif output and not s.has_stats:
+            return None
+        e: dict[str, Any] = {"slot": slot, "dtype": _DTYPE_NAMES.get(dtype) or records.dtype_name(dtype),
+                             "shape": list(t.shape), "device": "cpu", "digest": None}
+        if s.digest is None and s.hex is None:
+            e["reason"] = "digest mode none"
+        if output:
+            e["stats"] = None
+        call.fills.append((e, s, output))
+        return e
+
+    def entry(self, call: Call, slot: str, t: torch.Tensor, output: bool, *, fresh: bool = False,
+              uninitialized: bool = False) -> dict[str, Any]:
+        if self.host_digest and not uninitialized and (output or not self._uninit or not self._still_uninitialized(t)):
+            try:
+                fast = self._entry_fast(call, slot, t, output, fresh)
+            except Exception:  # the general path below says what failed
+                fast = None
+            if fast is not None:
+                return fast
         e: dict[str, Any] = {"slot": slot, "dtype": records.dtype_name(t.dtype), "shape": list(t.shape),
                              "device": records.device_name(t.device), "digest": None}
+        if uninitialized or (self._uninit and not output and self._still_uninitialized(t)):
+            e["uninitialized"] = True  # its content is whatever the allocator left: never summarised
+            e["reason"] = "uninitialized memory"
+            if output:
+                e["stats"] = None
+                self._mark_uninitialized(t)
+            return e
         try:
             s: _Summary | str = self.summarize(t, output, fresh=fresh)
         except Exception as err:  # capture's own tensor work must never break the program: say so instead
@@ -300,6 +401,49 @@ class Session:
             e["stats"] = None
         call.fills.append((e, s, output))
         return e
+
+    def _mark_uninitialized(self, t: torch.Tensor) -> None:
+        try:
+            self._uninit[t.data_ptr()] = (weakref.ref(t), t._version)
+        except (TypeError, RuntimeError):  # not weakly referenceable; an inference tensor (no version counter)
+            return
+        if len(self._uninit) > CACHE_ENTRIES:
+            self._uninit = {k: v for k, v in self._uninit.items() if v[0]() is not None}
+
+    def _still_uninitialized(self, t: torch.Tensor) -> bool:
+        """``t`` is (a view at the same address of) an uninitialised output not written since: the
+        same version counter value (views share their base's counter)."""
+        hit = self._uninit.get(t.data_ptr())
+        if hit is None:
+            return False
+        ref, version = hit
+        base = ref()
+        if base is None:
+            del self._uninit[t.data_ptr()]
+            return False
+        try:
+            if base._version != version:
+                del self._uninit[t.data_ptr()]
+                return False
+            return t._version == version
+        except RuntimeError:  # an inference tensor at that address
+            return False
+
+    def failed(self, stage: str, err: BaseException, call: Call | None = None) -> None:
+        """Capture's own work failed at ``stage`` (``recording``, ``digest``, ``statistics``,
+        ``writing``): the program continues as without capture; the record (when there is one) says
+        what failed in ``capture_error``; stderr says it once per stage and exception type; the
+        rank's meta notes count them."""
+        msg = f"{stage}: {type(err).__name__}: {err}"[:300]
+        if call is not None:
+            call.rec.setdefault("capture_error", msg)
+        key = (stage, type(err).__name__)
+        n = self._stage_failures.get(key, 0)
+        self._stage_failures[key] = n + 1
+        if n == 0:
+            print(f"opguard capture: rank {self.rank}: capture's own {stage} failed ({msg}); the program "
+                  "continues unchanged, affected records carry 'capture_error' (said once per stage and kind)",
+                  file=sys.stderr, flush=True)
 
     def _summary_failed(self, err: Exception, t: torch.Tensor) -> str:
         """The entry's ``reason`` when digesting/summarising a tensor raised; said on stderr once per
@@ -322,7 +466,7 @@ class Session:
         parents = self.parents
         module, context = (self.module, self.context) if where is None else where
         rec: dict[str, Any] = {
-            "v": 1, "kind": "op", "seq": seq, "step": self.step, "rank": self.rank, "api": api, "fn": fn,
+            "v": records.VERSION, "kind": "op", "seq": seq, "step": self.step, "rank": self.rank, "api": api, "fn": fn,
             "file": site.file, "line": site.line, "func": site.func, "src": site.src, "site": site.id,
             "module": module, "context": context, "depth": len(parents),
             "parent": parents[-1] if parents else None, "phase": phase, "inputs": [], "outputs": []}
@@ -335,10 +479,11 @@ class Session:
         for slot, t in tensors:
             ins.append(self.entry(call, slot, t, False))
 
-    def outputs(self, call: Call, tensors: Iterable[tuple[str, torch.Tensor]], *, fresh: bool = False) -> None:
+    def outputs(self, call: Call, tensors: Iterable[tuple[str, torch.Tensor]], *, fresh: bool = False,
+                uninitialized: bool = False) -> None:
         outs = call.rec["outputs"]
         for slot, t in tensors:
-            outs.append(self.entry(call, slot, t, True, fresh=fresh))
+            outs.append(self.entry(call, slot, t, True, fresh=fresh, uninitialized=uninitialized))
 
     def maybe_flush(self) -> None:
         if len(self.pending) >= self.options.buffer and not self.parents:
@@ -367,6 +512,9 @@ class Session:
         self.busy += 1
         try:
             self._flush(calls)
+        except Exception as err:  # never into the program: these records are lost, said on stderr and in meta
+            self.dropped += sum(1 for c in calls if c.rec.get("kind") == "op")
+            self.failed("writing", err)
         finally:
             self.busy -= 1
 
@@ -396,6 +544,8 @@ class Session:
                 continue
             self._write_line(records.encode(c.rec))
             self.records += 1
+            if c.rec["kind"] == "op":
+                self.ops_recorded += 1
         self._write_tables()
 
     @staticmethod
@@ -433,7 +583,7 @@ class Session:
                f"written for this rank (trace: {self.dir}). Raise OPGUARD_CAPTURE_MAX_MB or select fewer "
                "steps/functions (OPGUARD_CAPTURE_STEPS, OPGUARD_CAPTURE_FUNCTIONS)")
         print(msg, file=sys.stderr, flush=True)
-        rec = {"v": 1, "kind": "cap", "seq": self.seq, "step": self.step, "rank": self.rank,
+        rec = {"v": records.VERSION, "kind": "cap", "seq": self.seq, "step": self.step, "rank": self.rank,
                "limit_bytes": self.options.max_bytes, "written_bytes": self.written, "message": msg}
         self.writer.write_line(records.encode(rec))
         for cb in self.on_cap:
@@ -463,8 +613,53 @@ class Session:
                        else ("torch.hash_tensor" if self.options.digest == "xor" else None), "sample": SAMPLE},
             "host_kernel": "native" if self.host is not None else "torch",
             "options": self.options.as_json(), "records": self.records, "segments": self.writer.segment + 1,
-            "cap_reached": self.cap_reached, "dropped": self.dropped, "trace": TRACE}
+            "cap_reached": self.cap_reached, "dropped": self.dropped, "trace": TRACE,
+            "step_source": self.step_source, "notes": self.notes + self._failure_notes(),
+            "fast_path_off": self.fast_path_off, "record_noise": self.options.record_noise}
         self._write_atomic("meta.json", meta)
+
+    def _failure_notes(self) -> list[str]:
+        return [f"capture's own {stage} failed {n} time(s) with {kind}; the program ran unchanged "
+                "(records carry capture_error)" for (stage, kind), n in sorted(self._stage_failures.items())]
+
+    def note(self, text: str, *, warn: bool = False) -> None:
+        """A human-readable note in this rank's meta (and on stderr with ``warn``)."""
+        if text not in self.notes:
+            self.notes.append(text)
+            if warn:
+                print(f"opguard capture: rank {self.rank}: warning: {text}", file=sys.stderr, flush=True)
+
+    def advance(self, source: str, n: int | None = None) -> None:
+        """Set (``n``) or advance the step; write the ``step`` record (``source``: marker, optimizer)."""
+        if source == "marker":
+            self.step_source = "marker"
+        elif self.step_source == "none":
+            self.step_source = "optimizer"
+        self.step = self.step + 1 if n is None else n
+        self.max_step = max(self.max_step, self.step)
+        if not self.cap_reached and not self.closed:
+            self.pending.append(Call({"v": records.VERSION, "kind": "step", "seq": self.seq, "step": self.step,
+                                      "rank": self.rank, "source": source}))
+            self.maybe_flush()
+
+    def _selection_notes(self) -> None:
+        """A selection that matched nothing by the end of the run: a warning and a note, never a
+        silent empty trace."""
+        if self.ops_recorded or self.cap_reached:
+            return
+        o = self.options
+        chosen = [f"{var}={val}" for var, val, on in (
+            ("OPGUARD_CAPTURE_STEPS", str(o.steps), o.steps.ranges is not None),
+            ("OPGUARD_CAPTURE_FUNCTIONS", ",".join(o.functions), bool(o.functions)),
+            ("OPGUARD_CAPTURE_MODULES", ",".join(o.modules), bool(o.modules)),
+            ("OPGUARD_CAPTURE_CONTEXTS", ",".join(o.contexts), bool(o.contexts))) if on]
+        if not chosen:
+            return
+        how = {"marker": "set by opguard.capture.step()", "optimizer": "advanced at each Optimizer.step()",
+               "none": "no opguard.capture.step() call and no Optimizer.step(): every call was step 0",
+               }[self.step_source]
+        self.note(f"the selection {' '.join(chosen)} matched no call: this trace holds no op record "
+                  f"(steps seen 0-{self.max_step}, {how})", warn=True)
 
     def close(self) -> None:
         if self.closed:
@@ -472,8 +667,10 @@ class Session:
         try:
             self.parents.clear()
             self.flush()
-            self.writer.write_line(records.encode({"v": 1, "kind": "end", "rank": self.rank, "records": self.records,
-                                                   "cap_reached": self.cap_reached}))
+            self._compile_notes()
+            self._selection_notes()
+            self.writer.write_line(records.encode({"v": records.VERSION, "kind": "end", "rank": self.rank,
+                                                   "records": self.records, "cap_reached": self.cap_reached}))
             self._write_tables()
             if self.sources.add(self.sites.files) or not (self.dir / "sources.json").exists():
                 self._write_atomic("sources.json", self.sources.as_json(self.rank))
@@ -483,6 +680,19 @@ class Session:
         finally:
             self.closed = True
             self.writer.close()
+
+    def _compile_notes(self) -> None:
+        dyn = sys.modules.get("torch._dynamo.utils")
+        counters = getattr(dyn, "counters", None)
+        try:
+            graphs = int(counters["stats"]["unique_graphs"]) if counters is not None else 0
+        except Exception:
+            graphs = 0
+        if graphs:
+            self.note(f"torch.compile: {graphs} compiled graph(s) ran in this process; the calls inside compiled "
+                      "code are not recorded one by one (capture is invisible to Dynamo): only the calls around "
+                      "them and the library kernels compiled code calls (e.g. torch.addmm), at the compiled "
+                      "module's call site")
 
     @property
     def path(self) -> Path:

@@ -1,0 +1,292 @@
+"""Capture holds on real programs (issue 12): a zoo of model families run with and without
+``opguard-run --capture`` (bitwise equal results, no traceback, records at the script's call sites),
+DDP on gloo through torchrun, an unmodified nanoGPT-style script's records (no noise, uninitialised
+outputs, argument records, steps at Optimizer.step), step selections that match nothing, and
+failures injected into each of capture's own stages."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="capture needs torch (pip install torch, CPU build)")
+
+import opguard.capture as oc  # noqa: E402
+from opguard.capture import records, session  # noqa: E402
+from tests.capture.helpers import ops, read_trace, trace_dir  # noqa: E402
+from tests.capture.progs import calls  # noqa: E402
+from tests.capture.progs.models import MLP  # noqa: E402
+from tests.capture.test_torchrun import TORCHRUN, clean_env, free_port, run, run_plain  # noqa: E402
+from tests.conftest import BIN  # noqa: E402
+
+pytestmark = [pytest.mark.torch]
+PROGS = Path(__file__).parent / "progs"
+ZOO, NANOGPT, DDP = str(PROGS / "zoo.py"), str(PROGS / "nanogpt.py"), str(PROGS / "ddp_app.py")
+PY = sys.executable
+
+
+def captured(cmd: list[str], base: Path, **options: str) -> subprocess.CompletedProcess[str]:
+    env = {**clean_env(), "OPGUARD_TRACE_OUTPUT_BASE": str(base),
+           **{f"OPGUARD_CAPTURE_{k.upper()}": v for k, v in options.items()}}
+    return run([str(BIN / "opguard-run"), "--capture", *cmd], env)
+
+
+# ---- the zoo ---------------------------------------------------------------------------------------
+def test_zoo_of_model_families_bitwise_equal_under_opguard_run_capture(tmp_path: Path) -> None:
+    plain, cap = tmp_path / "plain", tmp_path / "cap"
+    plain.mkdir()
+    cap.mkdir()
+    base = tmp_path / "traces"
+    p = run_plain([PY, ZOO, str(plain)], clean_env())
+    c = captured([PY, ZOO, str(cap)], base)
+    assert "Traceback" not in p.stderr + c.stderr and "RecursionError" not in c.stderr
+    a = json.loads((plain / "zoo.json").read_text())
+    b = json.loads((cap / "zoo.json").read_text())
+    assert set(a) == set(b) and len(a) == 12
+    d = trace_dir(base)
+    meta = json.loads((d / "meta.json").read_text())
+    for family in a:
+        if family == "eval_encoder" and a[family] != b[family]:
+            # capture moved the eval-mode encoder layers off PyTorch's fused fast path: said in meta and stderr
+            assert meta["fast_path_off"] == ["TransformerEncoder.layers.0", "TransformerEncoder.layers.1"]
+            assert "ran its standard path instead of PyTorch's fused fast path" in c.stderr
+            continue
+        assert a[family] == b[family], family
+    assert meta["version"] == 2 and meta["ended_at"] is not None and meta["step_source"] == "optimizer"
+    assert any("torch.compile" in n for n in meta["notes"])
+    op = ops(read_trace(d))
+    assert all(r["file"] == ZOO for r in op)  # every record at the script's own call sites
+    fns = {r["fn"] for r in op}
+    for fn in ("torch.nn.functional.multi_head_attention_forward", "Tensor.unflatten",
+               "torch.nn.functional.scaled_dot_product_attention", "torch.nn.functional.batch_norm",
+               "torch._pack_padded_sequence", "torch.lstm", "torch.gru", "torch.nn.functional.embedding_bag",
+               "torch._foreach_norm", "torch._foreach_add_"):
+        assert fn in fns, fn
+    assert not any(r.get("capture_error") for r in op)
+
+
+def test_ddp_on_gloo_through_torchrun_bitwise_equal(tmp_path: Path) -> None:
+    plain, cap = tmp_path / "plain", tmp_path / "cap"
+    plain.mkdir()
+    cap.mkdir()
+
+    def torchrun(out: Path) -> list[str]:
+        return [TORCHRUN, "--nnodes=1", "--nproc-per-node=2", "--master-addr=127.0.0.1",
+                f"--master-port={free_port()}", DDP, str(out), "3"]
+
+    run_plain(torchrun(plain), clean_env())
+    base = tmp_path / "traces"
+    c = captured(torchrun(cap), base)
+    assert "Traceback" not in c.stderr
+    for rank in (0, 1):
+        assert (plain / f"loss-{rank}.txt").read_text() == (cap / f"loss-{rank}.txt").read_text()
+        op = ops(read_trace(trace_dir(base, rank)))
+        assert any(r["fn"] == "torch.nn.functional.linear" and r["file"] == DDP for r in op)
+        # each SGD.step() advanced the step (step 3: the calls after the last one)
+        assert {r["step"] for r in op} == {0, 1, 2, 3}
+
+
+# ---- records of an unmodified nanoGPT-style script ------------------------------------------------
+def nanogpt(tmp_path: Path, name: str, **options: str) -> tuple[list[dict[str, Any]], dict[str, Any], str, str]:
+    out = tmp_path / name
+    out.mkdir()
+    base = tmp_path / f"{name}-traces"
+    r = captured([PY, NANOGPT, str(out), "4"], base, **options)
+    d = trace_dir(base)
+    return read_trace(d), json.loads((d / "meta.json").read_text()), (out / "losses.txt").read_text(), r.stderr
+
+
+def test_nanogpt_records_without_noise_with_arguments_uninitialized_and_optimizer_steps(tmp_path: Path) -> None:
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    run_plain([PY, NANOGPT, str(plain), "4"], clean_env())
+    recs, meta, losses, _ = nanogpt(tmp_path, "cap")
+    assert losses == (plain / "losses.txt").read_text()
+    op = ops(recs)
+    fns = {r["fn"] for r in op}
+    assert not fns & {"Tensor.grad", "Tensor.__index__", "Tensor.data", "Tensor.shape", "Tensor.__len__"}
+    assert all(r["file"] == NANOGPT for r in op)     # not numpy's memmap.py
+    # torch.empty: the output is marked, never summarised; the first write's input too
+    empty = [r for r in op if r["fn"] == "torch.empty"]
+    assert empty and all(r["outputs"][0]["uninitialized"] is True and r["outputs"][0]["digest"] is None
+                         and r["outputs"][0]["stats"] is None for r in empty)
+    buf = next(r for r in empty if r["outputs"][0]["shape"] == [4])
+    assert buf["args"] == [{"slot": "arg0", "type": "int", "value": 4}]
+    first_write = next(r for r in op if r["fn"] == "Tensor.__setitem__")
+    assert first_write["inputs"][0]["slot"] == "self" and first_write["inputs"][0]["uninitialized"] is True
+    later = [r for r in op if r["fn"] == "Tensor.__setitem__"][1:]
+    assert later and not any(e.get("uninitialized") for r in later for e in r["inputs"])
+    # non-tensor arguments as evidence
+    gelu = [r for r in op if r["fn"] == "torch.nn.functional.gelu"]
+    assert gelu and all({"slot": "approximate", "type": "str", "value": "tanh"} in r["args"] for r in gelu)
+    sdpa = next(r for r in op if r["fn"] == "torch.nn.functional.scaled_dot_product_attention")
+    assert {"slot": "is_causal", "type": "bool", "value": True} in sdpa["args"]
+    assert {"slot": "dropout_p", "type": "float", "value": 0.0} in sdpa["args"]
+    # steps advance at each AdamW.step(): step records with their source, op records in steps 0..4
+    steps = [r for r in recs if r["kind"] == "step"]
+    assert [(r["step"], r["source"], r["v"]) for r in steps] == [(i, "optimizer", 2) for i in (1, 2, 3, 4)]
+    assert meta["step_source"] == "optimizer" and meta["record_noise"] is False and meta["notes"] == []
+    per_step = [sum(1 for r in op if r["step"] == s) for s in range(4)]
+    assert per_step[1] == per_step[2] == per_step[3] > 0
+    assert [r["step"] for r in op] == sorted(r["step"] for r in op)
+
+
+def test_record_noise_restores_property_reads_and_protocol_calls(tmp_path: Path) -> None:
+    recs, meta, _, _ = nanogpt(tmp_path, "noise", record_noise="1")
+    fns = {r["fn"] for r in ops(recs)}
+    assert {"Tensor.grad", "Tensor.__index__"} <= fns and meta["record_noise"] is True
+    index = next(r for r in ops(recs) if r["fn"] == "Tensor.__index__")
+    assert index["file"] == NANOGPT and index["func"] in ("get_batch", "<listcomp>")  # not numpy's memmap.py
+
+
+def test_step_selection_works_without_markers_and_an_empty_one_is_a_warning(tmp_path: Path) -> None:
+    recs, meta, _, err = nanogpt(tmp_path, "sel", steps="2")
+    op = ops(recs)
+    assert op and {r["step"] for r in op} == {2} and meta["notes"] == []
+    recs, meta, _, err = nanogpt(tmp_path, "none", steps="5-6")
+    assert ops(recs) == []
+    assert "warning: the selection OPGUARD_CAPTURE_STEPS=5-6 matched no call" in err
+    assert len(meta["notes"]) == 1 and "steps seen 0-4, advanced at each Optimizer.step()" in meta["notes"][0]
+
+
+def test_step_auto_off_keeps_step_zero(tmp_path: Path) -> None:
+    recs, meta, _, _ = nanogpt(tmp_path, "off", step_auto="0")
+    assert {r["step"] for r in ops(recs)} == {0} and meta["step_source"] == "none"
+    assert not [r for r in recs if r["kind"] == "step"]
+
+
+# ---- in-process: the re-entry fix, markers win, injected failures ----------------------------------
+def test_multihead_attention_does_not_reenter_the_call_being_handled(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    mha = torch.nn.MultiheadAttention(16, 2, batch_first=True)
+    x = torch.randn(2, 5, 16)
+    ref = mha(x, x, x)[0]
+    with oc.capture(env={"OPGUARD_TRACE_OUTPUT_BASE": str(tmp_path)}) as cap:
+        y = mha(x, x, x)[0]
+    assert torch.equal(ref, y)
+    unflatten = [r for r in ops(read_trace(cap.path)) if r["fn"] == "Tensor.unflatten"]
+    assert len(unflatten) == 1 and unflatten[0]["depth"] == 1   # recorded once, inside the MHA forward
+
+
+def test_markers_take_over_from_the_optimizer(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = MLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(4, 16)
+    with oc.capture(env={"OPGUARD_TRACE_OUTPUT_BASE": str(tmp_path)}) as cap:
+        for i in range(3):
+            oc.step(10 * i)
+            model(x).sum().backward()
+            opt.step()
+    recs = read_trace(cap.path)
+    assert [(r["step"], r["source"]) for r in recs if r["kind"] == "step"] == [(0, "marker"), (10, "marker"),
+                                                                             (20, "marker")]
+    assert json.loads((cap.path / "meta.json").read_text())["step_source"] == "marker"
+
+
+def _train(env: dict[str, str] | None) -> tuple[list[torch.Tensor], Any]:
+    torch.manual_seed(0)
+    model = MLP()
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(8, 16, generator=g), torch.randn(8, 1, generator=g)
+    if env is None:
+        return calls.mlp_train(model, x, y, 3), None
+    with oc.capture(env=env, buffer=4) as cap:
+        losses = calls.mlp_train(model, x, y, 3)
+    return losses, cap
+
+
+def _boom(*_a: Any, **_k: Any) -> Any:
+    raise RuntimeError("injected failure")
+
+
+@pytest.mark.parametrize("stage", ["recording", "digest", "statistics", "writing"])
+def test_a_failure_in_each_capture_stage_leaves_the_program_unchanged(
+        stage: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]) -> None:
+    expected, _ = _train(None)
+    if stage == "recording":
+        monkeypatch.setattr(records, "arg_entry", _boom)
+    elif stage == "digest":
+        monkeypatch.setattr(session, "finish", _boom)
+    elif stage == "statistics":
+        monkeypatch.setattr(session, "_moments_json", _boom)
+    else:
+        monkeypatch.setattr(records, "encode", _boom)
+    losses, cap = _train({"OPGUARD_TRACE_OUTPUT_BASE": str(tmp_path)})
+    monkeypatch.undo()
+    assert [v.view(torch.int32).item() for v in losses] == [v.view(torch.int32).item() for v in expected]
+    err = capfd.readouterr().err
+    if stage == "writing":  # the records are lost: said once on stderr, counted in meta
+        assert err.count("capture's own writing failed (writing: RuntimeError: injected failure)") == 1
+        assert "writing the end of the trace failed" in err
+        return
+    op = ops(read_trace(cap.path))
+    assert op
+    if stage == "recording":
+        bad = [r for r in op if "capture_error" in r]
+        assert bad and bad[0]["capture_error"] == "recording: RuntimeError: injected failure"
+        assert err.count("capture's own recording failed") == 1
+        meta = json.loads((cap.path / "meta.json").read_text())
+        assert any("recording failed" in n for n in meta["notes"])
+    else:
+        entries = [e for r in op for e in r["outputs"]]
+        assert entries and all(e["reason"].startswith("summary failed: RuntimeError: injected failure")
+                               for e in entries if e.get("digest") is None and "reason" in e)
+        assert any(e.get("reason", "").startswith("summary failed") for e in entries)
+        assert err.count("summarising a float32 tensor on cpu failed") == 1
+
+
+# ---- argument records: the canonical forms of schema v2 -------------------------------------------
+def test_argument_entries_canonical_forms() -> None:
+    import enum
+    import hashlib
+
+    class Color(enum.Enum):
+        RED = 1
+
+    e = records.arg_entry
+    assert e("approximate", "tanh") == {"slot": "approximate", "type": "str", "value": "tanh"}
+    assert e("arg1", 6e-4) == {"slot": "arg1", "type": "float", "value": 6e-4}
+    assert e("arg1", float("nan"))["value"] == "nan" and e("arg1", float("-inf"))["value"] == "-inf"
+    assert e("x", True) == {"slot": "x", "type": "bool", "value": True}
+    assert e("x", None) == {"slot": "x", "type": "none", "value": None}
+    assert e("x", 3) == {"slot": "x", "type": "int", "value": 3}
+    assert e("x", 1 + 2j) == {"slot": "x", "type": "complex", "value": [1.0, 2.0]}
+    assert e("dtype", torch.bfloat16) == {"slot": "dtype", "type": "dtype", "value": "bfloat16"}
+    assert e("device", torch.device("cpu")) == {"slot": "device", "type": "device", "value": "cpu"}
+    assert e("layout", torch.strided)["value"] == "strided"
+    assert e("memory_format", torch.channels_last)["value"] == "channels_last"
+    assert e("size", torch.Size([2, 3])) == {"slot": "size", "type": "shape", "value": [2, 3]}
+    assert e("c", Color.RED) == {"slot": "c", "type": "enum", "value": "Color.RED"}
+    assert e("i", slice(1, None, 2)) == {"slot": "i", "type": "slice", "value": [1, None, 2]}
+    assert e("i", ...) == {"slot": "i", "type": "ellipsis", "value": None}
+    assert e("i", (slice(0, 2), ..., None)) == {"slot": "i", "type": "list", "value": [[0, 2, None], None, None]}
+    assert e("o", object()) == {"slot": "o", "type": "object", "value": "builtins.object"}
+    long = list(range(40))
+    text = json.dumps(long, separators=(",", ":"))
+    assert len(text) > 64
+    assert e("arg1", long) == {"slot": "arg1", "type": "list", "len": len(text),
+                               "digest": hashlib.sha256(text.encode()).hexdigest()[:16]}
+    s = "x" * 65
+    assert e("s", s)["digest"] == hashlib.sha256(json.dumps(s).encode()).hexdigest()[:16]
+
+
+def test_argument_records_of_real_calls(tmp_path: Path) -> None:
+    x = torch.randn(4, 6)
+    with oc.capture(env={"OPGUARD_TRACE_OUTPUT_BASE": str(tmp_path)}) as cap:
+        x[1:3, ...]
+        torch.cat([x, x], dim=1)
+        x.to(torch.float64)
+        torch.nn.functional.gelu(x, approximate="none")
+    op = {r["fn"]: r for r in ops(read_trace(cap.path))}
+    assert op["Tensor.__getitem__"]["args"] == [{"slot": "arg1", "type": "list", "value": [[1, 3, None], None]}]
+    cat = op["torch.cat"]
+    assert [i["slot"] for i in cat["inputs"]] == ["arg0.0", "arg0.1"]
+    assert cat["args"] == [{"slot": "dim", "type": "int", "value": 1}]
+    assert op["Tensor.to"]["args"] == [{"slot": "arg1", "type": "dtype", "value": "float64"}]
+    assert op["torch.nn.functional.gelu"]["args"] == [{"slot": "approximate", "type": "str", "value": "none"}]
