@@ -370,6 +370,8 @@ class Session:
 
     def entry(self, call: Call, slot: str, t: torch.Tensor, output: bool, *, fresh: bool = False,
               uninitialized: bool = False) -> dict[str, Any]:
+        if output and self._uninit and not uninitialized:
+            self._uninit.pop(t.data_ptr(), None)  # a recorded op wrote this memory: its content is a result now
         if self.host_digest and not uninitialized and (output or not self._uninit or not self._still_uninitialized(t)):
             try:
                 fast = self._entry_fast(call, slot, t, output, fresh)
@@ -407,8 +409,8 @@ class Session:
             self._uninit[t.data_ptr()] = (weakref.ref(t), t._version)
         except (TypeError, RuntimeError):  # not weakly referenceable; an inference tensor (no version counter)
             return
-        if len(self._uninit) > CACHE_ENTRIES:
-            self._uninit = {k: v for k, v in self._uninit.items() if v[0]() is not None}
+        while len(self._uninit) > CACHE_ENTRIES:  # bounded: the oldest marks go first
+            del self._uninit[next(iter(self._uninit))]
 
     def _still_uninitialized(self, t: torch.Tensor) -> bool:
         """``t`` is (a view at the same address of) an uninitialised output not written since: the
@@ -419,8 +421,14 @@ class Session:
         ref, version = hit
         base = ref()
         if base is None:
-            del self._uninit[t.data_ptr()]
-            return False
+            # The factory's own tensor object is gone, but its memory may live on in another tensor
+            # sharing its storage and version counter (``nn.Parameter(torch.empty(...))``): still
+            # unwritten while that counter is unchanged. Memory freed and reused at this address by a
+            # recorded op is not confused with it: a recorded output clears its address (entry()).
+            try:
+                return t._version == version
+            except RuntimeError:  # an inference tensor at that address
+                return False
         try:
             if base._version != version:
                 del self._uninit[t.data_ptr()]
