@@ -1,153 +1,30 @@
-"""Legacy formats, read only (``docs/format.md`` §9, ``docs/legacy.md``).
+"""Reader of the reference implementation's v1 bundles (``docs/format.md`` §9, ``docs/legacy.md`` §1), read only.
 
-* **Snapshot**: one ``sync.tar.gz`` per rank directory (``exec_trace/gpu_003/sync.tar.gz``), a
-  gzip tar of that directory's files, restored under that directory. Unlike the reference's
-  compare (``extractall`` with no filter) every member is checked: absolute names, ``..``,
-  links, devices and FIFOs are refused.
-* **Reference v1 bundles**: ``.opguard-bundles/<node16>-rank<NNNNNN>/<seq12>-<sha256>.tar``
-  (uncompressed tar holding ``manifest.json`` and ``data/<i>`` members), restored to exactly the
-  tree the reference's own materialize produces, node-metadata copies into
-  ``exec_trace/gpu_<rank:03d>/`` included.
-
-Neither format has seals: their streams are always reported unsealed.
+``.opguard-bundles/<node16>-rank<NNNNNN>/<seq12>-<sha256>.tar`` (uncompressed tar holding
+``manifest.json`` and ``data/<i>`` members), restored to exactly the tree the reference's own
+materialize produces, node-metadata copies into ``exec_trace/gpu_<rank:03d>/`` included. The
+format has no seals: its streams are always reported unsealed.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import os
 import re
 import tarfile
-import zlib
-from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 from opguard.errors import IdentityError, IntegrityError
-from opguard.staging.bundle import CHUNK, check_relpath, file_sha256
-from opguard.staging.layout import BUNDLES_DIRNAME
-from opguard.staging.restore import (
-    Progress,
-    StreamReport,
-    Tree,
-    VerifyReport,
-    _guarded,
-    copy_tree,
-    damaged,
-)
+from opguard.staging.bundle import check_relpath, file_sha256
+from opguard.staging.restore_report import Progress, StreamReport, VerifyReport, damaged, guarded
+from opguard.staging.restore_tree import Tree, copy_tree, read_chunks
 
-SNAPSHOT_NAME = "sync.tar.gz"
 V1_VERSION = 1
 V1_OWNER = re.compile(r"([0-9a-f]{16})-rank([0-9]{6,})")
 V1_BATCH = re.compile(r"([0-9]{12})-([0-9a-f]{64})\.tar")
 V1_NODE_METADATA = ("exec_trace/source_files", "instrumentation")
 
-_READ_ERRORS = (tarfile.TarError, EOFError, zlib.error, OSError)
-
-
-def _read_chunks(f: IO[bytes], on_error: Callable[[Exception], IntegrityError],
-                 sha: Any = None) -> Iterator[bytes]:
-    while True:
-        try:
-            buf = f.read(CHUNK)
-        except _READ_ERRORS as e:
-            raise on_error(e) from None
-        if not buf:
-            return
-        if sha is not None:
-            sha.update(buf)
-        yield buf
-
-
-# ---- snapshot format ----------------------------------------------------------------------------
-
-def find_snapshots(source: Path) -> list[str]:
-    """Relative paths of every ``sync.tar.gz`` under SOURCE (not under .opguard-bundles), sorted."""
-    found = []
-    for dirpath, dirs, files in os.walk(source):
-        if os.path.samefile(dirpath, source):
-            dirs[:] = [d for d in dirs if d != BUNDLES_DIRNAME]
-        if SNAPSHOT_NAME in files or SNAPSHOT_NAME in dirs:
-            found.append(os.path.relpath(os.path.join(dirpath, SNAPSHOT_NAME), source))
-    return sorted(found)
-
-
-def _member_rel(stream: str, reldir: str, name: str) -> str | None:
-    """The restored path of a member (None for the archive's own root entry); refuses unsafe names."""
-    stripped = name
-    while stripped.startswith("./"):
-        stripped = stripped[2:]
-    stripped = stripped.rstrip("/") if stripped not in ("/",) else stripped
-    if stripped in ("", "."):
-        return None
-    try:
-        check_relpath(stripped)
-    except IntegrityError:
-        raise damaged(stream, f"member {name!r} has an unsafe path (absolute, '..' or empty components): refused",
-                      "the archive was not written by opguard; inspect it by hand, do not extract it") from None
-    return f"{reldir}/{stripped}" if reldir else stripped
-
-
-def _extract_snapshot(source: Path, rel: str, tree: Tree, sr: StreamReport) -> None:
-    archive = source / rel
-    stream = rel
-    reldir = os.path.dirname(rel)
-
-    def unreadable(e: Exception) -> IntegrityError:
-        return damaged(stream, f"archive {archive} is unreadable ({type(e).__name__}: {e}): truncated or corrupt")
-
-    if archive.is_symlink() or not archive.is_file():
-        raise damaged(stream, f"{archive} is not a regular file (links are refused)")
-    files: set[str] = set()
-    try:
-        tar = tarfile.open(archive, "r|gz")  # noqa: SIM115 (closed by the with below)
-    except _READ_ERRORS as e:
-        raise unreadable(e) from None
-    with tar:
-        members = iter(tar)
-        while True:
-            try:
-                member = next(members)
-            except StopIteration:
-                break
-            except _READ_ERRORS as e:
-                raise unreadable(e) from None
-            out = _member_rel(stream, reldir, member.name)
-            if member.isdir():
-                if out is not None:
-                    tree.mkdir(out)
-                continue
-            if not member.isfile() or out is None:
-                kind = ("a symbolic link" if member.issym() else "a hard link" if member.islnk()
-                        else "a FIFO" if member.isfifo() else "a device" if member.isdev() else "not a regular file")
-                raise damaged(stream, f"member {member.name!r} is {kind}: refused (a restore creates only "
-                                      "directories and regular files)",
-                              "the archive was not written by opguard; inspect it by hand, do not extract it")
-            try:
-                f = tar.extractfile(member)
-            except _READ_ERRORS as e:
-                raise unreadable(e) from None
-            assert f is not None
-            n = tree.write(out, _read_chunks(f, unreadable), append=False)
-            if n != member.size:
-                raise damaged(stream, f"member {member.name!r} holds {n} bytes, its header says {member.size}")
-            tree.set_meta(out, member.mode, int(member.mtime) * 1_000_000_000)
-            files.add(out)
-            sr.bytes += n
-    sr.files = len(files)
-    sr.batches = sr.last_sequence = 1
-
-
-def run_snapshots(source: Path, tree: Tree, report: VerifyReport, progress: Progress | None) -> None:
-    for rel in find_snapshots(source):
-        sr = report.add(rel)
-        _guarded(sr, tree.root is not None, lambda rel=rel, sr=sr: _extract_snapshot(source, rel, tree, sr))  # type: ignore[misc]
-        if progress:
-            progress(rel, 1, 1)
-
-
-# ---- reference v1 bundles -----------------------------------------------------------------------
 
 def find_v1_owners(bundles: Path) -> list[Path]:
     return sorted(p for p in bundles.iterdir() if V1_OWNER.fullmatch(p.name))
@@ -237,7 +114,7 @@ def _v1_entry(stream: str, path: Path, tar: tarfile.TarFile, entry: Any, tree: T
     def unreadable(e: Exception) -> IntegrityError:
         return damaged(stream, f"bundle {path.name}: member {member.name!r} is unreadable ({e})")
 
-    n = tree.write(rel, _read_chunks(f, unreadable, h), append=mode == "append")
+    n = tree.write(rel, read_chunks(f, unreadable, h), append=mode == "append")
     if n != size or h.hexdigest() != sha:
         raise damaged(stream, f"bundle {path.name}: payload checksum mismatch for {rel!r}")
     return rel, n
@@ -297,7 +174,7 @@ def run_v1(bundles: Path, tree: Tree, report: VerifyReport, progress: Progress |
     for owner in owners:
         sr = report.add(owner.name)
         sr.node_id = V1_OWNER.fullmatch(owner.name).group(1)  # type: ignore[union-attr]
-        _guarded(sr, tree.root is not None,
+        guarded(sr, tree.root is not None,
                  lambda owner=owner, sr=sr: _replay_owner(owner, tree, sr, report, progress))  # type: ignore[misc]
     if tree.root is not None:
         _copy_v1_node_metadata(owners, tree.root)
