@@ -39,6 +39,10 @@ def _refuse(field: str, value: object, rule: str) -> IntegrityError:
     return IntegrityError(f"{field} {show(value)} is not {rule}", _FIX)
 
 
+def _unsafe(field: str, value: str, why: str) -> IntegrityError:
+    return IntegrityError(f"{field} {show(value)} is an unsafe path ({why}): refused", _FIX)
+
+
 def identifier(value: object, field: str, what: str = "a node ID") -> str:
     """A node or run ID (§2): 1-128 characters from ``[A-Za-z0-9._-]``, not starting with ``.``."""
     if not isinstance(value, str) or not ID_RE.fullmatch(value):
@@ -72,21 +76,20 @@ def relpath(value: object, field: str) -> str:
     at most NAME_MAX bytes and the whole at most PATH_MAX - 1 bytes as the file system sees them.
     """
     if not isinstance(value, str):
-        raise _refuse(field, value, "a path (a JSON string)")
+        raise IntegrityError(f"{field} is {show(value)}, not a path (a JSON string)", _FIX)
     if not value or value.startswith("/"):
-        raise _refuse(field, value, "a relative path")
+        raise _unsafe(field, value, "absolute or empty")
     if "\\" in value or "\0" in value:
-        raise _refuse(field, value, "a safe path (it holds '\\' or NUL)")
+        raise _unsafe(field, value, "it holds '\\' or NUL")
     try:
         encoded = os.fsencode(value)
     except UnicodeError:
-        raise _refuse(field, value, "a path the file system can hold") from None
+        raise _unsafe(field, value, "not encodable as a file name") from None
     if len(encoded) > PATH_MAX - 1:
-        raise _refuse(field, value, f"a path of at most {PATH_MAX - 1} bytes (it has {len(encoded)})")
+        raise _unsafe(field, value, f"{len(encoded)} bytes, more than PATH_MAX - 1 = {PATH_MAX - 1}")
     for part in encoded.split(b"/"):
         if part in (b"", b".", b".."):
-            raise _refuse(field, value, "a safe path (absolute, '..', '.' or empty components)")
+            raise _unsafe(field, value, "'..', '.' or empty components")
         if len(part) > NAME_MAX:
-            raise _refuse(field, value, f"a path whose components have at most {NAME_MAX} bytes "
-                                        f"(one has {len(part)})")
+            raise _unsafe(field, value, f"a component of {len(part)} bytes, more than NAME_MAX = {NAME_MAX}")
     return value

@@ -18,8 +18,8 @@ each batch (or archive) of a stream.
 from __future__ import annotations
 
 import os
-import secrets
 import shutil
+import tempfile
 from pathlib import Path
 
 from opguard.errors import ConfigError, IdentityError, IntegrityError
@@ -138,15 +138,26 @@ def materialize(source: Path, dest: Path, *, require_sealed: bool = False,
         raise ConfigError(f"restore destination {dest} is inside the source {source}",
                           "choose a destination outside the source directory")
     report = RestoreReport(str(source), dest=str(dest))
-    partial = parent / f"{dest.name}.opguard-partial-{secrets.token_hex(6)}"
-    partial.mkdir()
+    # DEST is built as DEST.opguard-partial-<random>/<DEST's name>: the outer directory is created
+    # mode 0700 (mkdtemp), so no other user can enter the tree being built, whatever the parent allows
+    private = Path(tempfile.mkdtemp(prefix=f"{dest.name}.opguard-partial-", dir=parent))
+    partial = private / dest.name
+    tree: Tree | None = None
     try:
-        _run(source, Tree(partial, report.warn), report, require_sealed, progress)
+        partial.mkdir()
+        tree = Tree(partial, report.warn)
+        _run(source, tree, report, require_sealed, progress)
         fsync_dir(partial)
         rename_noreplace(partial, dest)
         fsync_dir(parent)
+        os.rmdir(private)
     except BaseException:
-        shutil.rmtree(partial, ignore_errors=True)
+        if tree is not None:
+            tree.remove_all()
+        shutil.rmtree(private, ignore_errors=True)
         raise
+    finally:
+        if tree is not None:
+            tree.close()
     return report
 

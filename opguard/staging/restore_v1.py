@@ -10,15 +10,19 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 import tarfile
 from pathlib import Path
 from typing import Any
 
 from opguard.errors import IdentityError, IntegrityError
-from opguard.staging.bundle import check_relpath, file_sha256
+from opguard.staging import names
+from opguard.staging.bundle import CHUNK
+from opguard.staging.fsutil import open_beneath, open_regular
 from opguard.staging.restore_report import Progress, StreamReport, VerifyReport, damaged, guarded
-from opguard.staging.restore_tree import Tree, copy_tree, read_chunks
+from opguard.staging.restore_snapshot import CappedTarInfo
+from opguard.staging.restore_tree import READ_ERRORS, Tree, read_chunks
 
 V1_VERSION = 1
 V1_OWNER = re.compile(r"([0-9a-f]{16})-rank([0-9]{6,})")
@@ -42,8 +46,6 @@ def _v1_batches(owner: Path, report: VerifyReport) -> list[tuple[int, str, Path]
         m = V1_BATCH.fullmatch(child.name)
         if m is None:
             raise damaged(stream, f"malformed bundle name {child}")
-        if child.is_symlink() or not child.is_file():
-            raise damaged(stream, f"{child} is not a regular file (links are refused)")
         batches.append((int(m.group(1)), m.group(2), child))
     for expect, (seq, _d, path) in enumerate(batches, 1):
         if seq < expect:
@@ -61,7 +63,7 @@ def _v1_manifest(stream: str, tar: tarfile.TarFile, path: Path, seq: int) -> dic
         f = tar.extractfile("manifest.json")
         assert f is not None
         manifest = json.load(f)
-    except (KeyError, ValueError) as e:
+    except (KeyError, ValueError, RecursionError) as e:
         raise damaged(stream, f"bundle {path.name}: no readable manifest.json ({e})") from None
     if not isinstance(manifest, dict) or not isinstance(manifest.get("entries"), list):
         raise damaged(stream, f"bundle {path.name}: manifest.json is not a v1 manifest")
@@ -77,21 +79,21 @@ def _v1_manifest(stream: str, tar: tarfile.TarFile, path: Path, seq: int) -> dic
     return manifest
 
 
-def _v1_entry(stream: str, path: Path, tar: tarfile.TarFile, entry: Any, tree: Tree) -> tuple[str, int]:
-    bad = f"bundle {path.name}: entry {entry!r}"
+def _v1_entry(stream: str, path: Path, tar: tarfile.TarFile, entry: Any, tree: Tree, i: int) -> tuple[str, int]:
+    bad = f"bundle {path.name}: entries[{i}] {names.show(entry)}"
     if not isinstance(entry, dict):
         raise damaged(stream, f"{bad} is not an object")
-    rel = entry.get("restore_path", entry.get("path"))
-    if not isinstance(entry.get("path"), str) or not isinstance(rel, str):
-        raise damaged(stream, f"{bad} has no path")
+    field = "restore_path" if "restore_path" in entry else "path"
     try:
-        check_relpath(rel)
-    except IntegrityError:
-        raise damaged(stream, f"bundle {path.name}: unsafe path {rel!r} (absolute, '..' or empty components): "
-                              "refused", "the bundle was not written by opguard; do not restore it") from None
+        names.relpath(entry.get("path"), "field path")
+        rel = names.relpath(entry.get(field), f"field {field}")
+    except IntegrityError as e:
+        raise damaged(stream, f"bundle {path.name}: unsafe path: {e.message}: refused",
+                      "the bundle was not written by opguard; do not restore it") from None
     mode, offset, size, sha = entry.get("mode"), entry.get("offset"), entry.get("size"), entry.get("sha256")
     if (mode not in ("append", "replace") or not isinstance(offset, int) or isinstance(offset, bool) or offset < 0
-            or not isinstance(size, int) or not isinstance(sha, str) or not isinstance(entry.get("member"), str)):
+            or not isinstance(size, int) or isinstance(size, bool) or size < 0 or not isinstance(sha, str)
+            or not isinstance(entry.get("member"), str)):
         raise damaged(stream, f"{bad} has a bad mode, offset, size, sha256 or member")
     try:
         member = tar.getmember(entry["member"])
@@ -107,6 +109,9 @@ def _v1_entry(stream: str, path: Path, tar: tarfile.TarFile, entry: Any, tree: T
                                   "restored (a missing or conflicting log prefix)")
     elif offset != 0:
         raise damaged(stream, f"bundle {path.name}: replacement of {rel!r} starts at {offset}, not 0")
+    if not member.isfile():
+        raise damaged(stream, f"bundle {path.name}: member {names.show(member.name)} is not a regular file: refused")
+    tree.reserve(size, f"bundle {path}, entry {names.show(rel)},")
     f = tar.extractfile(member)
     assert f is not None
     h = hashlib.sha256()
@@ -120,61 +125,101 @@ def _v1_entry(stream: str, path: Path, tar: tarfile.TarFile, entry: Any, tree: T
     return rel, n
 
 
-def _replay_owner(owner: Path, tree: Tree, sr: StreamReport, report: VerifyReport, progress: Progress | None) -> None:
+def _replay_owner(owner: Path, bfd: int, tree: Tree, sr: StreamReport, report: VerifyReport,
+                  progress: Progress | None) -> None:
     stream = owner.name
-    if owner.is_symlink() or not owner.is_dir():
-        raise damaged(stream, f"{owner} is not a directory (links are refused)")
+    try:
+        dfd = open_beneath(bfd, owner.name)
+    except OSError as e:
+        raise damaged(stream, f"{owner} cannot be opened as a directory without following links "
+                              f"({e.strerror or e})") from None
+    try:
+        _replay_owner_fd(owner, dfd, tree, sr, report, progress)
+    finally:
+        os.close(dfd)
+
+
+def _replay_owner_fd(owner: Path, dfd: int, tree: Tree, sr: StreamReport, report: VerifyReport,
+                     progress: Progress | None) -> None:
+    stream = owner.name
     batches = _v1_batches(owner, report)
     sr.last_sequence = len(batches)
     files: set[str] = set()
     for seq, digest, path in batches:
-        if file_sha256(path) != digest:
-            raise damaged(stream, f"bundle {path.name}: content does not match the digest in its name "
-                                  "(altered or truncated)")
         try:
-            with tarfile.open(path, "r:") as tar:
-                manifest = _v1_manifest(stream, tar, path, seq)
-                for entry in manifest["entries"]:
-                    rel, n = _v1_entry(stream, path, tar, entry, tree)
-                    files.add(rel)
-                    sr.bytes += n
-        except tarfile.TarError as e:
-            raise damaged(stream, f"bundle {path.name}: not a readable tar ({e})") from None
+            fd = open_regular(path.name, dfd)
+        except OSError as e:
+            raise damaged(stream, f"{path} is not a regular file ({e.strerror or e}; links are refused)") from None
+        with os.fdopen(fd, "rb") as f:
+            sha = hashlib.sha256()
+            while buf := f.read(CHUNK):
+                sha.update(buf)
+            if sha.hexdigest() != digest:
+                raise damaged(stream, f"bundle {path.name}: content does not match the digest in its name "
+                                      "(altered or truncated)")
+            f.seek(0)
+            try:
+                with tarfile.open(fileobj=f, mode="r:", tarinfo=CappedTarInfo) as tar:
+                    manifest = _v1_manifest(stream, tar, path, seq)
+                    for i, entry in enumerate(manifest["entries"]):
+                        rel, n = _v1_entry(stream, path, tar, entry, tree, i)
+                        files.add(rel)
+                        sr.bytes += n
+            except READ_ERRORS as e:
+                raise damaged(stream, f"bundle {path.name}: not a readable tar ({type(e).__name__}: {e})") from None
         sr.batches += 1
         sr.files = len(files)
         if progress:
             progress(stream, sr.batches, len(batches))
 
 
-def _copy_v1_node_metadata(owners: list[Path], root: Path) -> None:
+def _copy_v1_node_metadata(owners: list[Path], tree: Tree) -> None:
     """As the reference: ``nodes/<node16>/{exec_trace/source_files,instrumentation}`` into each of that
     node's existing ``exec_trace/gpu_<rank:03d>/`` as ``source_files/`` and ``instrumentation/``."""
     for owner in owners:
         m = V1_OWNER.fullmatch(owner.name)
         assert m is not None
-        gpu = root / "exec_trace" / f"gpu_{int(m.group(2)):03d}"
-        if not gpu.is_dir():
+        gpu = f"exec_trace/gpu_{int(m.group(2)):03d}"
+        if not tree.is_dir(gpu):
             continue
         for relative in V1_NODE_METADATA:
-            metadata = root / "nodes" / m.group(1) / relative
-            if metadata.is_dir():
-                copy_tree(metadata, gpu / metadata.name)
+            metadata = f"nodes/{m.group(1)}/{relative}"
+            if tree.is_dir(metadata):
+                tree.copy_dir(metadata, f"{gpu}/{relative.rpartition('/')[2]}")
 
 
 def run_v1(bundles: Path, tree: Tree, report: VerifyReport, progress: Progress | None) -> None:
-    owners = []
-    for child in sorted(bundles.iterdir()):
-        if V1_OWNER.fullmatch(child.name):
-            owners.append(child)
-        elif child.is_dir() and not child.is_symlink():
-            raise IntegrityError(f"unexpected directory {child} in a reference v1 target (not <node16>-rank<NNNNNN>)",
-                                 "move it out of .opguard-bundles if it is not opguard data")
-        else:
-            report.warn(f"ignoring unexpected file {child} (not a v1 bundle directory)")
-    for owner in owners:
-        sr = report.add(owner.name)
-        sr.node_id = V1_OWNER.fullmatch(owner.name).group(1)  # type: ignore[union-attr]
-        guarded(sr, tree.root is not None,
-                 lambda owner=owner, sr=sr: _replay_owner(owner, tree, sr, report, progress))  # type: ignore[misc]
+    source_fd = os.open(bundles.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)  # SOURCE: the caller's
+    try:
+        _run_v1(bundles, source_fd, tree, report, progress)
+    finally:
+        os.close(source_fd)
+
+
+def _run_v1(bundles: Path, source_fd: int, tree: Tree, report: VerifyReport, progress: Progress | None) -> None:
+    try:
+        bfd = open_beneath(source_fd, bundles.name)
+    except OSError as e:
+        raise IntegrityError(f"{bundles} cannot be opened as a directory without following links "
+                             f"({e.strerror or e})", "restore from the real directory") from None
+    try:
+        owners = []
+        for name in sorted(os.listdir(bfd)):
+            child = bundles / name
+            if V1_OWNER.fullmatch(name):
+                owners.append(child)
+            elif child.is_dir() and not child.is_symlink():
+                raise IntegrityError(f"unexpected directory {child} in a reference v1 target "
+                                     "(not <node16>-rank<NNNNNN>)",
+                                     "move it out of .opguard-bundles if it is not opguard data")
+            else:
+                report.warn(f"ignoring unexpected file {child} (not a v1 bundle directory)")
+        for owner in owners:
+            sr = report.add(owner.name)
+            sr.node_id = V1_OWNER.fullmatch(owner.name).group(1)  # type: ignore[union-attr]
+            guarded(sr, tree.root is not None,
+                    lambda owner=owner, sr=sr: _replay_owner(owner, bfd, tree, sr, report, progress))  # type: ignore[misc]
+    finally:
+        os.close(bfd)
     if tree.root is not None:
-        _copy_v1_node_metadata(owners, tree.root)
+        _copy_v1_node_metadata(owners, tree)
