@@ -85,6 +85,31 @@ def open_beneath(root_fd: int, rel: str) -> int:
     return fd
 
 
+def makedirs_nofollow(root: Path, rel: str) -> int:
+    """Create (as needed) and open directory ``root/rel`` one component at a time, following no
+    symbolic link below ``root``: ``OSError`` ``ELOOP`` or ``ENOTDIR`` where a component is a link
+    or not a directory (``filename`` names it). ``root`` itself is the caller's (configuration)."""
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    done = root
+    try:
+        for part in (p for p in rel.split("/") if p):
+            done = done / part
+            try:
+                os.mkdir(part, 0o777, dir_fd=fd)
+            except FileExistsError:
+                pass
+            try:
+                nfd = os.open(part, DIR_NOFOLLOW, dir_fd=fd)
+            except OSError as e:
+                raise OSError(e.errno, e.strerror, os.fspath(done)) from None
+            os.close(fd)
+            fd = nfd
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
 def open_regular(name: str | Path, dir_fd: int | None = None) -> int:
     """Open a regular file for reading without following a link and without blocking on a FIFO;
     ``OSError`` (``ELOOP``, or ``EINVAL`` "not a regular file") for anything else."""
