@@ -1,7 +1,7 @@
 """Verify and restore a shared target (``docs/format.md`` §5, §7, §8; legacy formats §9).
 
 ``verify(source)`` reads everything and writes nothing; ``materialize(source, dest)`` builds the
-logical tree in ``DEST.opguard-partial-<random>`` beside DEST, verifying every batch as it is
+logical tree in ``DEST.opguard-partial-<random>/<name>`` beside DEST, verifying every batch as it is
 applied, fsyncs it and publishes it with one no-replace rename. On any failure the partial tree
 is removed: DEST never appears half-written.
 
