@@ -305,7 +305,8 @@ def test_fuzz_v1_manifest(top: str | None, key: str | None, value: object) -> No
         m: dict[str, Any] = copy.deepcopy(V1_MANIFEST)
         if top is not None:
             m[top] = value
-        if key is not None and isinstance(m.get("entries"), list) and m["entries"]:
+        if key is not None and isinstance(m.get("entries"), list) and m["entries"] \
+                and isinstance(m["entries"][0], dict):
             m["entries"][0][key] = value
         try:
             json.dumps(m)

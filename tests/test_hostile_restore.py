@@ -256,3 +256,17 @@ def test_normal_target_still_restores_byte_for_byte(tmp_path: Path) -> None:
         "ranks/rank-000000/_node/cfg/x.json": b"{}",
         "nodes": None, "nodes/node-a": None, "nodes/node-a/cfg": None, "nodes/node-a/cfg/x.json": b"{}"}
     assert manifest_of(batches(src, R0)[0])["node_id"] == "node-a"
+
+
+def test_a_deep_directory_in_a_legacy_source_is_walked_without_recursion(tmp_path: Path) -> None:
+    src = tmp_path / "legacy"
+    snapshot(src / "exec_trace" / "gpu_000" / "sync.tar.gz", {"trace.jsonl": b"{}\n"})
+    fd = os.open(src, os.O_RDONLY | os.O_DIRECTORY)
+    for _ in range(1100):  # was: RecursionError from os.walk
+        os.mkdir("d", dir_fd=fd)
+        nfd = os.open("d", os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
+        os.close(fd)
+        fd = nfd
+    os.close(fd)
+    r = cli("verify", str(src))
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr

@@ -25,13 +25,25 @@ PAX_HEADER_MAX = 2 * names.PATH_MAX + 1024  # path= and linkpath= records, plus 
 
 
 def find_snapshots(source: Path) -> list[str]:
-    """Relative paths of every ``sync.tar.gz`` under SOURCE (not under .opguard-bundles), sorted."""
+    """Relative paths of every ``sync.tar.gz`` under SOURCE (not under .opguard-bundles), sorted.
+
+    Walked with an explicit stack (any depth, no recursion), never into a linked directory."""
     found = []
-    for dirpath, dirs, files in os.walk(source):
-        if os.path.samefile(dirpath, source):
-            dirs[:] = [d for d in dirs if d != BUNDLES_DIRNAME]
-        if SNAPSHOT_NAME in files or SNAPSHOT_NAME in dirs:
-            found.append(os.path.relpath(os.path.join(dirpath, SNAPSHOT_NAME), source))
+    stack = [""]
+    while stack:
+        rel = stack.pop()
+        try:
+            with os.scandir(source / rel if rel else source) as it:
+                entries = list(it)
+        except OSError as e:
+            raise IntegrityError(f"{source / rel} cannot be listed ({e.strerror or e})",
+                                 "check that SOURCE is the run's output directory") from None
+        for entry in entries:
+            child = f"{rel}/{entry.name}" if rel else entry.name
+            if entry.name == SNAPSHOT_NAME:
+                found.append(child)
+            elif entry.is_dir(follow_symlinks=False) and not (not rel and entry.name == BUNDLES_DIRNAME):
+                stack.append(child)
     return sorted(found)
 
 
