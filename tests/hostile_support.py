@@ -8,6 +8,7 @@ import gzip
 import hashlib
 import io
 import os
+import stat
 import subprocess
 import sys
 import tarfile
@@ -172,3 +173,35 @@ def snapshot_of_files(root: Path) -> dict[str, bytes | None]:
             else:
                 out[r] = Path(e.path).read_bytes()
     return out
+
+
+def remove_deep(path: Path) -> None:
+    """Remove a directory tree of any depth (pytest's own cleanup recurses, and fails past ~1,000
+    levels): walk down and up by descriptors, holding one at a time."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    below: list[str] = []
+    while True:
+        sub = None
+        for name in os.listdir(fd):
+            if _is_dir(name, fd):
+                sub = name
+            else:
+                os.unlink(name, dir_fd=fd)
+        if sub is not None:
+            nfd = os.open(sub, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
+            os.close(fd)
+            fd = nfd
+            below.append(sub)
+            continue
+        if not below:
+            os.close(fd)
+            os.rmdir(path)
+            return
+        pfd = os.open("..", os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
+        os.close(fd)
+        os.rmdir(below.pop(), dir_fd=pfd)
+        fd = pfd
+
+
+def _is_dir(name: str, dir_fd: int) -> bool:
+    return stat.S_ISDIR(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode)

@@ -49,3 +49,19 @@ def test_a_link_swapped_in_after_the_check_gets_no_batch(staging_env: dict[str, 
     r = opguard(env, "sync", "--rank", "0", "--final")
     assert r.returncode == 6, r.stderr
     assert os.listdir(elsewhere) == []
+
+
+def test_a_link_planted_as_the_seal_is_not_followed(staging_env: dict[str, str], tmp_path: Path) -> None:
+    """Between a periodic and the final sync someone plants the final seal's name as a link to a file
+    of theirs: the final sync does not read through it (was: it parsed the linked file, and a JSON
+    list there was an AttributeError traceback) and refuses (exit 6), the linked file unchanged."""
+    env = staging_env
+    write_file_atomic(rank_dir(env) / "a.bin", b"a")
+    assert opguard(env, "sync", "--rank", "0").returncode == 0
+    theirs = tmp_path / "theirs.json"
+    theirs.write_bytes(b"[]")
+    (stream_dir(env) / "000000000001.seal").symlink_to(theirs)
+    r = opguard(env, "sync", "--rank", "0", "--final")
+    assert r.returncode == 6, r.stderr
+    assert "Traceback" not in r.stderr and "000000000001.seal" in r.stderr, r.stderr
+    assert theirs.read_bytes() == b"[]"

@@ -212,3 +212,13 @@ def create_exclusive(path: Path, data: bytes) -> bool:
 def read_json(path: Path) -> Any:
     with open(path, "rb") as f:
         return loads_json(f.read())
+
+
+def read_json_nofollow(path: Path, limit: int = 1 << 20) -> Any:
+    """:func:`read_json` of a regular file that is not a link (``OSError`` otherwise), at most ``limit``
+    bytes (``ValueError`` past it): for documents on the shared target, which others can write."""
+    with os.fdopen(open_regular(path), "rb") as f:
+        data = f.read(limit + 1)
+    if len(data) > limit:
+        raise ValueError(f"{path} is larger than {limit} bytes")
+    return loads_json(data)

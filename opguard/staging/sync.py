@@ -27,7 +27,7 @@ from opguard.staging.build import BatchSource, Torn, build_batch
 from opguard.staging.bundle import ZSTD_THREADS, BatchWriteError, read_manifest
 from opguard.staging.checkpoint import Checkpoint, Pending, save_checkpoint
 from opguard.staging.config import StagingConfig
-from opguard.staging.fsutil import create_exclusive, dump_json, fsync_dir, read_json
+from opguard.staging.fsutil import create_exclusive, dump_json, fsync_dir, read_json_nofollow
 from opguard.staging.layout import NODE_COPY_DIRNAME, RANKS_DIRNAME, WRITER_TMP_PREFIX, Layout, node_stream
 from opguard.staging.plan import Item, select_batch
 from opguard.staging.publish import Bucket, remove_stale_tmp, upload
@@ -340,8 +340,12 @@ def _seal(ctx: _Ctx, cp: Checkpoint) -> Checkpoint:
         created = create_exclusive(path, dump_json(doc))
         crashpoints.hit("sealed")
         if not created:
-            existing = read_json(path)
-            if existing.get("last_digest") != cp.head_digest or existing.get("stream") != ctx.stream:
+            try:
+                existing = read_json_nofollow(path)  # a link planted as the seal is not followed
+            except (OSError, ValueError):
+                existing = None
+            if (not isinstance(existing, dict) or existing.get("last_digest") != cp.head_digest
+                    or existing.get("stream") != ctx.stream):
                 raise IdentityError(f"seal {path} names another batch than this stream's head {cp.head_digest}",
                                     "two uploaders wrote one stream; use a new output directory")
     except OSError as e:
