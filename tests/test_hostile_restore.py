@@ -271,3 +271,22 @@ def test_a_deep_directory_in_a_legacy_source_is_walked_without_recursion(tmp_pat
     r = cli("verify", str(src))
     remove_deep(src / "d")  # pytest's cleanup recurses
     assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
+
+
+def test_links_planted_as_node_claims_are_ignored_not_followed(tmp_path: Path) -> None:
+    """Readers ignore ``nodes/`` (claims, conflict markers): a link there, or a claim that is a link,
+    brings nothing of what it points at into DEST; the node metadata copied into ``_node/`` comes
+    from the restored node stream only."""
+    src = _rank_target(tmp_path / "shared", node_id="node-a")
+    add_batch(src, "node-node-a", [("file", "cfg/x.json", 1, 0, b"{}")], rank=None)
+    seal(src, "node-node-a")
+    theirs = tmp_path / "theirs"
+    (theirs / "node-a").mkdir(parents=True)
+    (theirs / "node-a" / "secret").write_bytes(b"SECRET")
+    (src / ".opguard-bundles" / "nodes").symlink_to(theirs)
+    out = tmp_path / "out"
+    r = cli("materialize", str(src), str(out))
+    assert r.returncode == 0, r.stderr
+    restored = snapshot_of_files(out)
+    assert b"SECRET" not in restored.values()
+    assert restored["ranks/rank-000000/_node/cfg/x.json"] == b"{}"
