@@ -45,15 +45,6 @@ def parse_batch_name(name: str) -> tuple[int, str] | None:
     return int(seq), digest
 
 
-def check_relpath(path: str) -> str:
-    """Refuse paths that could escape a restore root (``docs/format.md`` §7)."""
-    if (not path or path.startswith("/") or "\\" in path or "\0" in path
-            or any(part in ("", ".", "..") for part in path.split("/"))):
-        raise IntegrityError(f"unsafe path {path!r} in a batch manifest",
-                             "the batch was not written by opguard or is damaged; do not restore it by hand")
-    return path
-
-
 class BatchWriteError(Exception):
     """Writing the batch file itself failed (not reading a source): e.g. the staging disk is full."""
 
