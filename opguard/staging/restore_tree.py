@@ -30,6 +30,7 @@ from opguard.staging.bundle import CHUNK
 from opguard.staging.fsutil import syncfs_fd
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_CACHED = 64  # directory descriptors one thread keeps open (well under any RLIMIT_NOFILE)
 
 
 def _parent(rel: str) -> str:
@@ -55,10 +56,20 @@ class Tree:
         self.dirs: set[str] = set()  # every directory holding a restored file or made by mkdir
         self.children: dict[str, set[str]] = {"": set()}  # directory ("" the root) -> its files and directories
         self.meta: dict[str, tuple[int | None, int | None]] = {}
-        self._lock = threading.Lock()  # streams are restored by parallel threads (disjoint subtrees)
+        self._lock = threading.RLock()  # streams are restored by parallel threads (disjoint subtrees)
         self._root_fd = -1 if root is None else os.open(root, _DIR_FLAGS)
+        # per thread: directory -> an open descriptor of it (the parents files are written into);
+        # dropped whenever a directory is removed (the generation changes)
+        self._tls = threading.local()
+        self._caches: dict[int, dict[str, int]] = {}
+        self._generation = 0
 
     def close(self) -> None:
+        with self._lock:
+            for cache in self._caches.values():
+                for fd in cache.values():
+                    os.close(fd)
+            self._caches.clear()
         if self._root_fd >= 0:
             os.close(self._root_fd)
             self._root_fd = -1
@@ -95,19 +106,39 @@ class Tree:
             raise
         return fd
 
+    def _dir(self, rel: str, create: bool) -> int:
+        """A *borrowed* descriptor of directory ``rel`` (do not close it), from this thread's cache of
+        up to _CACHED directories: files of one directory do not walk the path again each."""
+        cache: dict[str, int] | None = getattr(self._tls, "cache", None)
+        if cache is None or self._tls.generation != self._generation:
+            with self._lock:
+                if cache is not None:
+                    for stale in cache.values():
+                        os.close(stale)
+                cache = {}
+                self._caches[threading.get_ident()] = cache
+                self._tls.cache, self._tls.generation = cache, self._generation
+        cached = cache.get(rel)
+        if cached is not None:
+            return cached
+        fd = self._open_dir(rel, create)
+        if len(cache) >= _CACHED:
+            for old in cache.values():
+                os.close(old)
+            cache.clear()
+        cache[rel] = fd
+        return fd
+
+    def _invalidate(self) -> None:
+        """A directory is being removed: no thread may use a cached descriptor of it (under the lock)."""
+        self._generation += 1
+
     def _open_file(self, rel: str, flags: int, create_parents: bool = False) -> int:
-        pfd = self._open_dir(_parent(rel), create_parents)
-        try:
-            return os.open(rel.rpartition("/")[2], flags | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666, dir_fd=pfd)
-        finally:
-            os.close(pfd)
+        pfd = self._dir(_parent(rel), create_parents)
+        return os.open(rel.rpartition("/")[2], flags | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666, dir_fd=pfd)
 
     def _unlink(self, rel: str) -> None:
-        pfd = self._open_dir(_parent(rel), False)
-        try:
-            os.unlink(rel.rpartition("/")[2], dir_fd=pfd)
-        finally:
-            os.close(pfd)
+        os.unlink(rel.rpartition("/")[2], dir_fd=self._dir(_parent(rel), False))
 
     def _rmtree(self, rel: str, subdirs: list[str]) -> None:
         """Remove directory ``rel``; ``subdirs``: its directories in pre-order (``rel`` first)."""
@@ -198,6 +229,7 @@ class Tree:
             self.dirs.discard(d)
             self.children.pop(d, None)
         self.children[_parent(old)].discard(old)
+        self._invalidate()
         if self._root_fd >= 0:
             self._rmtree(old, subdirs)
         shown = ", ".join(repr(p) for p in sorted(below)[:5]) + (" ..." if len(below) > 5 else "")
@@ -240,7 +272,7 @@ class Tree:
                 self.children.setdefault(rel, set())
                 self._add(rel)
         if self._root_fd >= 0:
-            os.close(self._open_dir(rel, True))
+            self._dir(rel, True)
 
     def set_meta(self, rel: str, mode: int | None, mtime_ns: int | None) -> None:
         self.meta[rel] = (mode, mtime_ns)
@@ -285,6 +317,7 @@ class Tree:
         if self._root_fd < 0:
             return
         with self._lock:
+            self._invalidate()
             for child in sorted(self.children.get("", ())):
                 try:
                     if child in self.dirs:
