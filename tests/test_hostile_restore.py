@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -290,3 +291,28 @@ def test_links_planted_as_node_claims_are_ignored_not_followed(tmp_path: Path) -
     restored = snapshot_of_files(out)
     assert b"SECRET" not in restored.values()
     assert restored["ranks/rank-000000/_node/cfg/x.json"] == b"{}"
+
+
+def test_a_destination_that_runs_out_of_inodes_is_a_clean_refusal(tmp_path: Path) -> None:
+    """Declared sizes fit, but DEST's file system (a real 4 MiB, 64-inode tmpfs) runs out of inodes
+    while writing: exit 2 naming the file and errno (was: an OSError traceback), nothing left."""
+    mnt = tmp_path / "tiny"
+    mnt.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m,nr_inodes=64", "tmpfs", str(mnt)],
+                       capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs (needs root / CAP_SYS_ADMIN): {r.stderr.strip()}")
+    try:
+        src = make_target(tmp_path / "shared")
+        add_batch(src, R0, [("file", f"f{i}.txt", 1, 0, b"x") for i in range(200)])
+        seal(src, R0)
+        out = mnt / "out"
+        r2 = cli("materialize", str(src), str(out))
+        assert r2.returncode == 2, r2.stderr
+        assert "into the restore destination failed" in r2.stderr and "errno 28" in r2.stderr, r2.stderr
+        assert "Traceback" not in r2.stderr
+        assert os.listdir(mnt) == []
+    finally:
+        subprocess.run(["umount", str(mnt)], check=False)
+        if os.path.ismount(mnt):
+            subprocess.run(["umount", "-l", str(mnt)], check=True)

@@ -319,8 +319,11 @@ def iter_entries(info: BatchInfo,
             return file_sha.hexdigest() != expected_digest
 
         def damage(what: str) -> IntegrityError:
-            if file_sha is not None and digest_differs():
-                what = f"{NOT_ITS_DIGEST}: {what}"
+            try:
+                if file_sha is not None and digest_differs():
+                    what = f"{NOT_ITS_DIGEST}: {what}"
+            except OSError as e:
+                what = f"{what}; reading the rest failed too ({e.strerror or e})"
             return _damaged(info.path, what)
 
         if file_sha is not None:
@@ -352,8 +355,8 @@ def _entry_chunks(reader: Any, entry: dict[str, Any], damage: Callable[[str], In
     while left:
         try:
             buf = reader.read(min(CHUNK, left))
-        except zstandard.ZstdError as e:
-            raise damage(f"zstd error in {entry['path']!r}: {e}") from None
+        except (zstandard.ZstdError, OSError) as e:  # OSError: SOURCE's storage failed (EIO)
+            raise damage(f"zstd or read error in {entry['path']!r}: {e}") from None
         if not buf:
             raise damage(f"payload ends {left} bytes early inside {entry['path']!r}")
         sha.update(buf)

@@ -251,11 +251,17 @@ class Tree:
             for buf in chunks:
                 n += len(buf)
         else:
-            fd = self._open_file(rel, os.O_WRONLY | os.O_CREAT | (os.O_APPEND if append else os.O_TRUNC), True)
-            with open(fd, "wb") as f:
-                for buf in chunks:
-                    f.write(buf)
-                    n += len(buf)
+            try:
+                fd = self._open_file(rel, os.O_WRONLY | os.O_CREAT | (os.O_APPEND if append else os.O_TRUNC), True)
+                with open(fd, "wb") as f:
+                    for buf in chunks:  # a read error of SOURCE arrives as an IntegrityError (exit 5)
+                        f.write(buf)
+                        n += len(buf)
+            except OSError as e:
+                raise ConfigError(
+                    f"writing {rel!r} into the restore destination failed: {e.strerror or e} (errno {e.errno})",
+                    "free space on the destination's file system, or choose a DEST where you can write; "
+                    "nothing was published") from None
         with self._lock:
             self.sizes[rel] = (self.sizes.get(rel, 0) if append else 0) + n
             self._add(rel)
