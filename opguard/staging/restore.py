@@ -117,7 +117,11 @@ def verify(source: Path, *, require_sealed: bool = False, progress: Progress | N
     """
     source = Path(os.path.abspath(source))
     report = VerifyReport(str(source))
-    _run(source, Tree(None, report.warn), report, require_sealed, progress)
+    try:
+        _run(source, Tree(None, report.warn), report, require_sealed, progress)
+    except OSError as e:  # verify writes nothing: what failed is reading SOURCE
+        raise IntegrityError(f"reading {e.filename or source} failed: {e.strerror or e} (errno {e.errno})",
+                             "check the storage of SOURCE (permissions, I/O errors) and run verify again") from None
     return report
 
 
@@ -146,7 +150,13 @@ def materialize(source: Path, dest: Path, *, require_sealed: bool = False,
     try:
         partial.mkdir()
         tree = Tree(partial, report.warn)
-        _run(source, tree, report, require_sealed, progress)
+        try:
+            _run(source, tree, report, require_sealed, progress)
+        except OSError as e:  # reads of SOURCE are reported by the readers (exit 5); this is DEST
+            raise ConfigError(f"restoring into {dest} failed: {e.strerror or e} (errno {e.errno}"
+                              f"{', ' + str(e.filename) if e.filename else ''})",
+                              "free space or inodes on the destination's file system, or choose a DEST where you "
+                              "can write; nothing was published") from None
         fsync_dir(partial)
         rename_noreplace(partial, dest)
         fsync_dir(parent)
