@@ -18,7 +18,8 @@ from typing import IO, Any
 import zstandard
 
 from opguard.errors import IdentityError, IntegrityError
-from opguard.staging.fsutil import dumps_json, loads_json
+from opguard.staging import names
+from opguard.staging.fsutil import dumps_json, loads_json, open_regular
 
 FORMAT_VERSION = 2
 HEADER_MAGIC = b"OPGBATCH"
@@ -42,15 +43,6 @@ def parse_batch_name(name: str) -> tuple[int, str] | None:
     if not seq.isdigit() or any(c not in "0123456789abcdef" for c in digest):
         return None
     return int(seq), digest
-
-
-def check_relpath(path: str) -> str:
-    """Refuse paths that could escape a restore root (``docs/format.md`` §7)."""
-    if (not path or path.startswith("/") or "\\" in path or "\0" in path
-            or any(part in ("", ".", "..") for part in path.split("/"))):
-        raise IntegrityError(f"unsafe path {path!r} in a batch manifest",
-                             "the batch was not written by opguard or is damaged; do not restore it by hand")
-    return path
 
 
 class BatchWriteError(Exception):
@@ -178,9 +170,27 @@ class BatchInfo:
     payload_offset: int
     payload_len: int
     size: int
+    fd: int = -1  # the open batch (from :func:`open_batch`) that iter_entries reads, or -1: reopen ``path``
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
 
 
 NOT_ITS_DIGEST = "its content does not match the digest in its name (altered or truncated)"
+
+# docs/format.md §11: the most a real manifest expands when decompressed. Every entry carries a
+# SHA-256 (32 bytes of entropy no compressor removes) and at most a 4095-byte path JSON-escaped to
+# 6 bytes a byte plus 512 bytes of other fields: (6 * 4095 + 512) / 32 < 784. A manifest frame is
+# decompressed as a stream and refused past max(MANIFEST_FLOOR, MANIFEST_RATIO * its length on
+# disk), whatever size the frame declares.
+MANIFEST_RATIO = 784
+MANIFEST_FLOOR = 1 << 20
+
+
+def manifest_cap(frame_len: int) -> int:
+    return max(MANIFEST_FLOOR, MANIFEST_RATIO * frame_len)
 
 
 def _damaged(path: Path, what: str) -> IntegrityError:
@@ -188,40 +198,100 @@ def _damaged(path: Path, what: str) -> IntegrityError:
                           "the shared copy was altered or truncated; restore it from a backup or re-run")
 
 
+def _decompress_capped(data: bytes, cap: int, path: Path) -> bytes:
+    """One zstd frame's content, read as a stream and refused past ``cap`` bytes."""
+    out = bytearray()
+    reader = zstandard.ZstdDecompressor().stream_reader(data, read_across_frames=False)
+    with reader:
+        while buf := reader.read(CHUNK):
+            out += buf
+            if len(out) > cap:
+                raise _damaged(path, f"manifest decompresses to more than {cap} bytes, {MANIFEST_RATIO} times its "
+                                     f"{len(data)}-byte frame: more than any real manifest (docs/format.md §11)")
+    return bytes(out)
+
+
+def _check_entries(path: Path, manifest: dict[str, Any]) -> None:
+    """Types and names of every entry (``docs/format.md`` §7), before anything is read or written."""
+    entries = manifest.get("entries")
+    if not isinstance(entries, list):
+        raise _damaged(path, f"manifest field entries is {names.show(entries)}, not a list")
+    for i, entry in enumerate(entries):
+        if not isinstance(entry, dict):
+            raise _damaged(path, f"manifest field entries[{i}] is {names.show(entry)}, not an object")
+        try:
+            names.relpath(entry.get("path"), f"manifest field entries[{i}].path")
+        except IntegrityError as e:
+            raise _damaged(path, e.message) from None
+        for key in ("size", "offset", "version"):
+            value = entry.get(key)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise _damaged(path, f"manifest field entries[{i}].{key} is {names.show(value)}, not an integer >= 0")
+        sha = entry.get("sha256")
+        if not isinstance(sha, str) or len(sha) != 64 or any(c not in "0123456789abcdef" for c in sha):
+            raise _damaged(path, f"manifest field entries[{i}].sha256 is {names.show(sha)}, not a SHA-256")
+    total = manifest.get("payload_size")
+    if not isinstance(total, int) or isinstance(total, bool) or total < 0:
+        raise _damaged(path, f"manifest field payload_size is {names.show(total)}, not an integer >= 0")
+
+
+def open_batch(path: Path, dir_fd: int | None = None) -> BatchInfo:
+    """:func:`read_manifest` of the regular file ``path`` (its name relative to ``dir_fd`` when given),
+    opened without following a link; the returned info keeps it open for :func:`iter_entries`
+    (call ``close()``)."""
+    try:
+        fd = open_regular(path.name if dir_fd is not None else path, dir_fd)
+    except OSError as e:
+        raise _damaged(path, f"cannot be opened as a regular file without following links ({e.strerror or e})") \
+            from None
+    try:
+        info = _parse(path, fd)
+    except BaseException:
+        os.close(fd)
+        raise
+    info.fd = fd
+    return info
+
+
 def read_manifest(path: Path) -> BatchInfo:
     """Parse header, footer and manifest of a batch (no payload check)."""
-    size = path.stat().st_size
+    info = open_batch(path)
+    info.close()
+    return info
+
+
+def _parse(path: Path, fd: int) -> BatchInfo:
+    size = os.fstat(fd).st_size
     if size < HEADER.size + FOOTER.size:
         raise _damaged(path, f"only {size} bytes")
-    with open(path, "rb") as f:
-        magic, version, hlen = HEADER.unpack(f.read(HEADER.size))
-        if magic != HEADER_MAGIC:
-            raise _damaged(path, "bad header magic")
-        if version > FORMAT_VERSION:
-            raise IdentityError(f"batch {path} has format version {version}; this opguard reads up to {FORMAT_VERSION}",
-                                "upgrade opguard to read it")
-        f.seek(size - FOOTER.size)
-        plen, mlen, msha, fmagic = FOOTER.unpack(f.read(FOOTER.size))
-        if fmagic != FOOTER_MAGIC:
-            raise _damaged(path, "bad footer magic (truncated?)")
-        if hlen + plen + mlen + FOOTER.size != size:
-            raise _damaged(path, "section lengths do not add up to the file size")
-        f.seek(hlen + plen)
-        mbytes = f.read(mlen)
-    if hashlib.sha256(mbytes).digest() != msha:
+    magic, version, hlen = HEADER.unpack(os.pread(fd, HEADER.size, 0))
+    if magic != HEADER_MAGIC:
+        raise _damaged(path, "bad header magic")
+    if version > FORMAT_VERSION:
+        raise IdentityError(f"batch {path} has format version {version}; this opguard reads up to {FORMAT_VERSION}",
+                            "upgrade opguard to read it")
+    plen, mlen, msha, fmagic = FOOTER.unpack(os.pread(fd, FOOTER.size, size - FOOTER.size))
+    if fmagic != FOOTER_MAGIC:
+        raise _damaged(path, "bad footer magic (truncated?)")
+    if hlen != HEADER.size or hlen + plen + mlen + FOOTER.size != size:
+        raise _damaged(path, "section lengths do not add up to the file size")
+    mbytes = os.pread(fd, mlen, hlen + plen)
+    if len(mbytes) != mlen or hashlib.sha256(mbytes).digest() != msha:
         raise _damaged(path, "manifest checksum mismatch")
     try:
-        raw = zstandard.ZstdDecompressor().decompress(mbytes)
+        raw = _decompress_capped(mbytes, manifest_cap(mlen), path)
         manifest = loads_json(raw)
-    except (zstandard.ZstdError, ValueError) as e:
-        raise _damaged(path, f"manifest unreadable ({e})") from None
+    except (zstandard.ZstdError, ValueError, RecursionError) as e:
+        raise _damaged(path, f"manifest unreadable ({type(e).__name__}: {str(e)[:200]})") from None
     if not isinstance(manifest, dict) or manifest.get("format") != "opguard-batch":
         raise _damaged(path, "manifest is not an opguard batch manifest")
-    if int(manifest.get("version", 0)) > FORMAT_VERSION:
-        raise IdentityError(f"batch {path} manifest version {manifest.get('version')} is newer than {FORMAT_VERSION}",
+    mversion = manifest.get("version")
+    if not isinstance(mversion, int) or isinstance(mversion, bool):
+        raise _damaged(path, f"manifest field version is {names.show(mversion)}, not an integer")
+    if mversion > FORMAT_VERSION:
+        raise IdentityError(f"batch {path} manifest version {mversion} is newer than {FORMAT_VERSION}",
                             "upgrade opguard to read it")
-    for entry in manifest.get("entries", []):
-        check_relpath(entry["path"])
+    _check_entries(path, manifest)
     return BatchInfo(path, manifest, hlen, plen, size)
 
 
@@ -233,11 +303,13 @@ def iter_entries(info: BatchInfo,
     ``expected_digest``, the SHA-256 of the whole file is computed in the same pass (the file is
     read once) and checked when the last entry has been consumed: a caller must not trust what it
     applied until the generator is exhausted. A damaged payload is then also reported as a file
-    that does not match its name's digest.
+    that does not match its name's digest. Memory is one CHUNK whatever the entries declare.
     """
     dctx = zstandard.ZstdDecompressor()
     file_sha = hashlib.sha256() if expected_digest is not None else None
-    with open(info.path, "rb") as f:
+    fd = os.dup(info.fd) if info.fd >= 0 else open_regular(info.path)
+    with os.fdopen(fd, "rb") as f:
+        f.seek(0)
 
         def digest_differs() -> bool:
             """Hash the rest of the file (manifest and footer at least); True on a mismatch."""
@@ -247,8 +319,11 @@ def iter_entries(info: BatchInfo,
             return file_sha.hexdigest() != expected_digest
 
         def damage(what: str) -> IntegrityError:
-            if file_sha is not None and digest_differs():
-                what = f"{NOT_ITS_DIGEST}: {what}"
+            try:
+                if file_sha is not None and digest_differs():
+                    what = f"{NOT_ITS_DIGEST}: {what}"
+            except OSError as e:
+                what = f"{what}; reading the rest failed too ({e.strerror or e})"
             return _damaged(info.path, what)
 
         if file_sha is not None:
@@ -280,8 +355,8 @@ def _entry_chunks(reader: Any, entry: dict[str, Any], damage: Callable[[str], In
     while left:
         try:
             buf = reader.read(min(CHUNK, left))
-        except zstandard.ZstdError as e:
-            raise damage(f"zstd error in {entry['path']!r}: {e}") from None
+        except (zstandard.ZstdError, OSError) as e:  # OSError: SOURCE's storage failed (EIO)
+            raise damage(f"zstd or read error in {entry['path']!r}: {e}") from None
         if not buf:
             raise damage(f"payload ends {left} bytes early inside {entry['path']!r}")
         sha.update(buf)

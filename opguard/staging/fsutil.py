@@ -7,6 +7,7 @@ import dataclasses
 import errno
 import json
 import os
+import stat
 import sys
 from pathlib import Path
 from typing import Any
@@ -39,21 +40,88 @@ def syncfs(path: Path) -> bool:
     before 5.8, which does not report writeback errors from it): the caller must fsync each file.
     Raises OSError when the kernel reports a writeback error.
     """
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        return syncfs_fd(fd)
+    finally:
+        os.close(fd)
+
+
+def syncfs_fd(fd: int) -> bool:
+    """:func:`syncfs` of the file system holding the open descriptor ``fd``."""
     if sys.platform != "linux" or not _kernel_at_least(5, 8):
         return False
     fn = getattr(ctypes.CDLL(None, use_errno=True), "syncfs", None)
     if fn is None:
         return False
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        if fn(fd) != 0:
-            err = ctypes.get_errno()
-            if err == errno.ENOSYS:
-                return False
-            raise OSError(err, os.strerror(err), str(path))
-    finally:
-        os.close(fd)
+    if fn(fd) != 0:
+        err = ctypes.get_errno()
+        if err == errno.ENOSYS:
+            return False
+        raise OSError(err, os.strerror(err))
     return True
+
+
+DIR_NOFOLLOW = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def open_dir_nofollow(path: str | Path, dir_fd: int | None = None) -> int:
+    """Open a directory without following a link in its last component (``ELOOP``/``ENOTDIR`` if it is one)."""
+    return os.open(path, DIR_NOFOLLOW, dir_fd=dir_fd)
+
+
+def open_beneath(root_fd: int, rel: str) -> int:
+    """Open directory ``rel`` (relative, "/"-separated) below ``root_fd`` one component at a time,
+    following no symbolic link on the way (``OSError`` ``ELOOP``/``ENOTDIR`` where one is)."""
+    fd = os.dup(root_fd)
+    try:
+        for part in (p for p in rel.split("/") if p):
+            nfd = os.open(part, DIR_NOFOLLOW, dir_fd=fd)
+            os.close(fd)
+            fd = nfd
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def makedirs_nofollow(root: Path, rel: str) -> int:
+    """Create (as needed) and open directory ``root/rel`` one component at a time, following no
+    symbolic link below ``root``: ``OSError`` ``ELOOP`` or ``ENOTDIR`` where a component is a link
+    or not a directory (``filename`` names it). ``root`` itself is the caller's (configuration)."""
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    done = root
+    try:
+        for part in (p for p in rel.split("/") if p):
+            done = done / part
+            try:
+                os.mkdir(part, 0o777, dir_fd=fd)
+            except FileExistsError:
+                pass
+            try:
+                nfd = os.open(part, DIR_NOFOLLOW, dir_fd=fd)
+            except OSError as e:
+                raise OSError(e.errno, e.strerror, os.fspath(done)) from None
+            os.close(fd)
+            fd = nfd
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def open_regular(name: str | Path, dir_fd: int | None = None) -> int:
+    """Open a regular file for reading without following a link and without blocking on a FIFO;
+    ``OSError`` (``ELOOP``, or ``EINVAL`` "not a regular file") for anything else."""
+    fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file", os.fspath(name))
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def tmp_name(final: Path, prefix: str = ".opguard-tmp-") -> Path:
@@ -144,3 +212,13 @@ def create_exclusive(path: Path, data: bytes) -> bool:
 def read_json(path: Path) -> Any:
     with open(path, "rb") as f:
         return loads_json(f.read())
+
+
+def read_json_nofollow(path: Path, limit: int = 1 << 20) -> Any:
+    """:func:`read_json` of a regular file that is not a link (``OSError`` otherwise), at most ``limit``
+    bytes (``ValueError`` past it): for documents on the shared target, which others can write."""
+    with os.fdopen(open_regular(path), "rb") as f:
+        data = f.read(limit + 1)
+    if len(data) > limit:
+        raise ValueError(f"{path} is larger than {limit} bytes")
+    return loads_json(data)

@@ -36,17 +36,22 @@ def _publish_error(what: str, path: Path, e: OSError) -> PublishError:
     return PublishError(f"{what} {path} failed: {reason} (errno {e.errno})", fix)
 
 
-def remove_stale_tmp(sdir: Path) -> int:
-    """Remove this stream's abandoned uploads (``.tmp-*``) on the target; returns how many."""
+def remove_stale_tmp(sdir: Path, dir_fd: int | None = None) -> int:
+    """Remove this stream's abandoned uploads (``.tmp-*``) on the target; returns how many.
+
+    ``dir_fd``: ``sdir`` opened without following links (then names are resolved in it)."""
     try:
-        names = os.listdir(sdir)
+        names = os.listdir(sdir if dir_fd is None else dir_fd)
     except FileNotFoundError:
         return 0
     n = 0
     for name in names:
         if name.startswith(TARGET_TMP_PREFIX):
             try:
-                os.unlink(sdir / name)
+                if dir_fd is None:
+                    os.unlink(sdir / name)
+                else:
+                    os.unlink(name, dir_fd=dir_fd)
                 n += 1
             except FileNotFoundError:
                 pass
@@ -55,9 +60,10 @@ def remove_stale_tmp(sdir: Path) -> int:
     return n
 
 
-def already_published(final: Path, size: int) -> bool:
+def already_published(final: Path, size: int, dir_fd: int | None = None) -> bool:
     try:
-        existing = os.stat(final).st_size
+        existing = (os.stat(final) if dir_fd is None else
+                    os.stat(final.name, dir_fd=dir_fd, follow_symlinks=False)).st_size
     except FileNotFoundError:
         return False
     if existing != size:
@@ -113,10 +119,15 @@ def _copy(src: Path, fd: int, bucket: Bucket, on_bytes: Callable[[int], None] | 
 
 
 def upload(src: Path, sdir: Path, name: str, size: int, bucket: Bucket,
-           on_bytes: Callable[[int], None] | None = None) -> bool:
-    """Publish ``src`` as ``sdir/name``. True if copied now, False if it was already published."""
+           on_bytes: Callable[[int], None] | None = None, dir_fd: int | None = None) -> bool:
+    """Publish ``src`` as ``sdir/name``. True if copied now, False if it was already published.
+
+    ``dir_fd``: ``sdir`` opened without following links (``target.open_stream_dir``). The temporary
+    is then created in that very directory, and the rename by path can only succeed there: if
+    ``sdir`` was replaced by a link meanwhile, the temporary is not found through it and the upload
+    fails (exit 4) instead of publishing where the link points."""
     final = sdir / name
-    if already_published(final, size):
+    if already_published(final, size, dir_fd):
         try:
             fsync_dir(sdir)  # the crash or error may have come before the directory was durable
         except OSError as e:
@@ -126,7 +137,8 @@ def upload(src: Path, sdir: Path, name: str, size: int, bucket: Bucket,
     step = "creating"
     fd = -1
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        fd = os.open(tmp, flags, 0o644) if dir_fd is None else os.open(tmp.name, flags, 0o644, dir_fd=dir_fd)
         crashpoints.hit("upload-created")
         step = "writing"
         copied = _copy(src, fd, bucket, on_bytes)
@@ -147,6 +159,8 @@ def upload(src: Path, sdir: Path, name: str, size: int, bucket: Bucket,
             if not (final.exists() and os.stat(final).st_size == size):
                 raise
             tmp.unlink(missing_ok=True)
+        if dir_fd is not None:
+            os.stat(name, dir_fd=dir_fd, follow_symlinks=False)  # renamed in the directory that was checked
         crashpoints.hit("upload-renamed")
         step = "fsyncing the directory of"
         fsync_dir(sdir)

@@ -27,13 +27,13 @@ from opguard.staging.build import BatchSource, Torn, build_batch
 from opguard.staging.bundle import ZSTD_THREADS, BatchWriteError, read_manifest
 from opguard.staging.checkpoint import Checkpoint, Pending, save_checkpoint
 from opguard.staging.config import StagingConfig
-from opguard.staging.fsutil import create_exclusive, dump_json, fsync_dir, read_json
+from opguard.staging.fsutil import create_exclusive, dump_json, fsync_dir, read_json_nofollow
 from opguard.staging.layout import NODE_COPY_DIRNAME, RANKS_DIRNAME, WRITER_TMP_PREFIX, Layout, node_stream
 from opguard.staging.plan import Item, select_batch
 from opguard.staging.publish import Bucket, remove_stale_tmp, upload
 from opguard.staging.ratelimit import TokenBucket, Unlimited
 from opguard.staging.scan import Change, detect, walk
-from opguard.staging.target import check_stream, ensure_target, staging_of
+from opguard.staging.target import check_stream, ensure_target, open_stream_dir, staging_of
 from opguard.staging.units import format_bytes
 
 TORN_RETRIES = 3
@@ -224,7 +224,11 @@ def _publish(ctx: _Ctx, pending: Pending) -> Checkpoint:
         lock = filelock.FileLock(os.fspath(ctx.layout.node_upload_lock), timeout=ctx.config.lock_timeout)
         with ctx.uploading, lock:  # this sync's streams queue without a timeout; other processes with one
             crashpoints.hit("upload-locked")
-            copied = upload(src, ctx.target_dir, pending.name, pending.size, ctx.bucket)
+            sfd = open_stream_dir(ctx.config, ctx.stream)
+            try:
+                copied = upload(src, ctx.target_dir, pending.name, pending.size, ctx.bucket, dir_fd=sfd)
+            finally:
+                os.close(sfd)
     except filelock.Timeout:
         raise LockTimeout(
             f"the node upload lock {ctx.layout.node_upload_lock} was held by another sync for more than "
@@ -331,13 +335,17 @@ def _seal(ctx: _Ctx, cp: Checkpoint) -> Checkpoint:
            "last_digest": cp.head_digest, "sealed_at": time.time(), "host": ctx.node_id}
     path = ctx.target_dir / f"{last:012d}.seal"
     try:
-        ctx.target_dir.mkdir(parents=True, exist_ok=True)
+        os.close(open_stream_dir(ctx.config, ctx.stream))  # no link followed (docs/format.md §11)
         crashpoints.hit("sealing")
         created = create_exclusive(path, dump_json(doc))
         crashpoints.hit("sealed")
         if not created:
-            existing = read_json(path)
-            if existing.get("last_digest") != cp.head_digest or existing.get("stream") != ctx.stream:
+            try:
+                existing = read_json_nofollow(path)  # a link planted as the seal is not followed
+            except (OSError, ValueError):
+                existing = None
+            if (not isinstance(existing, dict) or existing.get("last_digest") != cp.head_digest
+                    or existing.get("stream") != ctx.stream):
                 raise IdentityError(f"seal {path} names another batch than this stream's head {cp.head_digest}",
                                     "two uploaders wrote one stream; use a new output directory")
     except OSError as e:
@@ -360,8 +368,11 @@ def _sync_stream(ctx: _Ctx, final: bool) -> None:
         ctx.state.mkdir(parents=True, exist_ok=True)
         save_checkpoint(ctx.state / "checkpoint.json", cp)
         crashpoints.hit("initial-checkpoint")
-    ctx.target_dir.mkdir(parents=True, exist_ok=True)
-    remove_stale_tmp(ctx.target_dir)
+    sfd = open_stream_dir(ctx.config, ctx.stream)  # created without following a planted link
+    try:
+        remove_stale_tmp(ctx.target_dir, dir_fd=sfd)
+    finally:
+        os.close(sfd)
     if pending is not None and pending.sequence < cp.next_sequence:
         _finish_pending(ctx, pending)  # crashed after the checkpoint advanced: already done
         pending = None

@@ -7,6 +7,7 @@ refusal nothing is written anywhere.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -22,7 +23,7 @@ from opguard.staging.bundle import FORMAT_VERSION, parse_batch_name
 from opguard.staging.checkpoint import Checkpoint, Pending, load_checkpoint, load_pending
 from opguard.staging.config import StagingConfig
 from opguard.staging.dirs import TARGET_MODE, creatable_problem, ensure_dir
-from opguard.staging.fsutil import create_exclusive, dump_json, read_json
+from opguard.staging.fsutil import create_exclusive, dump_json, makedirs_nofollow, read_json
 from opguard.staging.layout import BUNDLES_DIRNAME, Layout
 from opguard.staging.writers import check_staging_usable
 
@@ -48,6 +49,24 @@ def staging_of(config: StagingConfig) -> Staging:
 
 def stream_dir(config: StagingConfig, stream: str) -> Path:
     return staging_of(config).bundles / "streams" / stream
+
+
+def open_stream_dir(config: StagingConfig, stream: str) -> int:
+    """Create (as needed) and open ``.opguard-bundles/streams/<stream>`` below the target without
+    following a symbolic link: a link planted there by another user of the shared target would send
+    the run's batches wherever it points. Refused with exit 6, before anything is written."""
+    s = staging_of(config)
+    try:
+        return makedirs_nofollow(s.target, f"{BUNDLES_DIRNAME}/streams/{stream}")
+    except OSError as e:
+        if e.errno not in (errno.ELOOP, errno.ENOTDIR, errno.EMLINK):
+            raise
+        where = e.filename or stream_dir(config, stream)
+        raise IdentityError(
+            f"{where} on the target is a symbolic link or not a directory: the stream {stream} will not be "
+            "published through it (its batches would go wherever the link points)",
+            f"remove it (and find out who created it: the target is writable by others), or {NEW_RUN_FIX}") \
+            from None
 
 
 # ---- reading the target ------------------------------------------------------------------------
