@@ -26,6 +26,10 @@ from opguard.staging.layout import BUNDLES_DIRNAME, Layout
 
 ATTEMPTS_FILE = "attempts.json"
 ATTEMPTS_VERSION = 1
+# A reader's bound on a published attempts.json (the target is writable by others, docs/format.md §11):
+# one attempt record is under 512 bytes and MAX_ATTEMPTS bounds their number.
+MAX_ATTEMPTS = 1024
+ATTEMPTS_MAX_BYTES = 512 * MAX_ATTEMPTS
 RESUME_VAR = "OPGUARD_RESUME"
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
@@ -257,12 +261,15 @@ def published_attempts(source: Path) -> dict[str, list[dict[str, Any]]]:
                 if not any(e.get("path") == ATTEMPTS_FILE and e.get("op") == "file"
                            for e in info.manifest.get("entries", [])):
                     continue
-                data = b""
+                data = bytearray()
                 for entry, chunks in iter_entries(info):
-                    body = b"".join(chunks)
-                    if entry.get("path") == ATTEMPTS_FILE and entry.get("op") == "file":
-                        data = body
-                doc = json.loads(data)
+                    wanted = entry.get("path") == ATTEMPTS_FILE and entry.get("op") == "file"
+                    for chunk in chunks:  # every entry's chunks are consumed; only this one is kept
+                        if wanted:
+                            data += chunk
+                            if len(data) > ATTEMPTS_MAX_BYTES:
+                                raise ValueError(f"{ATTEMPTS_FILE} is larger than {ATTEMPTS_MAX_BYTES} bytes")
+                doc = json.loads(bytes(data))
             except (OpguardError, OSError, ValueError):
                 break
             if isinstance(doc, dict) and isinstance(doc.get("attempts"), list):
