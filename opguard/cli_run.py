@@ -184,8 +184,18 @@ def _begin(pf: Preflight) -> int | None:
     if not pf.identity.node_duty:
         return None
     from opguard.staging.attempts import FIRST, begin_attempt
+    from opguard.staging.claim import NodeIdConflict, make_claim, record_conflict
     from opguard.staging.layout import Layout
 
+    # The node ID is claimed before anything is staged: a node that loses the claim race (the
+    # preflight saw no claim) must leave no attempt record behind, or the exit hook's sync on it
+    # would publish that record under another machine's node ID. The supervisor's own claim then
+    # finds this one (same machine) and goes on.
+    try:
+        make_claim(c, pf.identity.node_id)
+    except NodeIdConflict as e:
+        _say_recorded_conflict(record_conflict(c.target, e, pf.identity.node_id))
+        raise
     number = begin_attempt(Layout(c), pf.identity.node_id, pf.attempt_how or FIRST, os.environ)
     if number > 1:
         click.echo(f"opguard-run: attempt {number} of run {c.run_id} ({pf.attempt_how})", err=True)
@@ -246,6 +256,15 @@ def _capture_env() -> dict[str, str]:
     return {k: v for k, v in full.items() if base.get(k) != v}
 
 
+def _say_recorded_conflict(path: Path | None) -> None:
+    if path is not None:
+        click.echo(f"opguard-run: recorded the node ID conflict at {path}: the machine that claimed it "
+                   "first stops before it uploads anything", err=True)
+    else:
+        click.echo("opguard-run: could not record the node ID conflict on the target: the machine that "
+                   "claimed it first may keep running; stop the job", err=True)
+
+
 def _record_node_id_conflicts(pf: Preflight) -> bool:
     """A node ID claimed by another machine: leave a conflict marker beside the claim, so the machine
     that claimed it first stops too (``docs/format.md`` §5.3). True if one was written."""
@@ -255,12 +274,8 @@ def _record_node_id_conflicts(pf: Preflight) -> bool:
     for p in pf.problems:
         if isinstance(p, NodeIdConflict) and target is not None:
             path = record_conflict(target, p, pf.identity.node_id)
-            if path is not None:
-                click.echo(f"opguard-run: recorded the node ID conflict at {path}: the machine that claimed it "
-                           "first stops before it uploads anything", err=True)
-                return True
-            click.echo("opguard-run: could not record the node ID conflict on the target: the machine that "
-                       "claimed it first may keep running; stop the job", err=True)
+            _say_recorded_conflict(path)
+            return path is not None
     return False
 
 

@@ -13,7 +13,7 @@ import pytest
 
 from opguard.launcher.identity import resolve
 from opguard.launcher.preflight import Preflight
-from opguard.launcher.supervise import Options, Supervisor
+from opguard.launcher.supervise import PR_SET_CHILD_SUBREAPER, Options, Supervisor, _prctl
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
 
@@ -32,6 +32,9 @@ def handlers() -> Iterator[dict[int, object]]:
     yield before
     for s, h in before.items():
         signal.signal(s, h)  # type: ignore[arg-type]
+    # run() made this (pytest's) process a child subreaper, as it does the wrapper: undo it, or every
+    # orphan of the later tests (daemons, killed process trees) is reparented here and left a zombie
+    _prctl(PR_SET_CHILD_SUBREAPER, 0)
 
 
 def _assert_restored(before: dict[int, object]) -> None:
