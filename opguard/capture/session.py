@@ -15,7 +15,6 @@ import socket
 import sys
 import time
 import weakref
-from collections import OrderedDict
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -53,16 +52,11 @@ def _dense(t: torch.Tensor) -> bool:
 
 
 class _Ref(weakref.ref):  # type: ignore[type-arg]
-    """A weak reference to a summarised tensor that knows its cache key (no closure per entry)."""
+    """A weak reference to a summarised tensor that knows its cache key (no closure per entry);
+    made as ``_Ref(t, callback)`` then ``.key`` set (no Python-level constructor: ~1 µs less)."""
 
     __slots__ = ("key",)
-
-    def __new__(cls, ob: torch.Tensor, callback: Any, key: tuple[Any, ...]) -> _Ref:
-        return super().__new__(cls, ob, callback)
-
-    def __init__(self, ob: torch.Tensor, callback: Any, key: tuple[Any, ...]) -> None:
-        super().__init__(ob, callback)  # type: ignore[call-arg]
-        self.key = key
+    key: tuple[Any, ...]
 
 
 class _Summary:
@@ -142,7 +136,9 @@ class Session:
         self.modules: list[str] = []
         self.parents: list[int] = []
         self.pending: list[Call] = []
-        self._cache: OrderedDict[tuple[Any, ...], _Summary] = OrderedDict()
+        self._batch: list[bytes] | None = None  # encoded records of the flush in progress, not yet written
+        self._batch_ops = 0  # op records among them
+        self._cache: dict[tuple[Any, ...], _Summary] = {}
         self._dead = self._dead_entry  # one bound method for every weak reference's callback
         self.written = 0
         self._file_sizes: dict[str, int] = {}
@@ -322,13 +318,15 @@ class Session:
         """Cache ``s`` under ``key`` while ``t`` is alive: the entry is dropped when ``t`` dies
         (bounded memory: only live tensors' entries stay; at most CACHE_ENTRIES, oldest first)."""
         try:
-            s.ref = _Ref(t, self._dead, key)
+            ref = _Ref(t, self._dead)
         except TypeError:
             return  # not weakly referenceable: never reused
+        ref.key = key
+        s.ref = ref
         cache = self._cache
         cache[key] = s
         if len(cache) > CACHE_ENTRIES:
-            cache.popitem(last=False)
+            del cache[next(iter(cache))]  # the oldest entry (dicts keep insertion order)
 
     def _dead_entry(self, ref: _Ref) -> None:
         s = self._cache.get(ref.key)
@@ -537,15 +535,39 @@ class Session:
                         v = s.values = _json_stats(finish_stats(rows[id(s.stats)], s.n))
                     if v is not None:
                         e["stats"] = v
-        for c in calls:
-            if self.cap_reached:
-                self.dropped += 1
-                continue
-            self._write_line(records.encode(c.rec))
-            self.records += 1
-            if c.rec["kind"] == "op":
-                self.ops_recorded += 1
+        # the encoded records go out with one write() per flush (JsonlWriter.write_lines), in order;
+        # the cap is decided per record exactly as record by record (the cap record follows the last
+        # record that fitted: _reach_cap writes the batch first)
+        batch: list[bytes] = []
+        self._batch = batch
+        encode = records.encode
+        try:
+            for c in calls:
+                if self.cap_reached:
+                    self.dropped += 1
+                    continue
+                line = encode(c.rec)
+                if not self._account(len(line)):
+                    self.dropped += 1
+                    continue
+                batch.append(line)
+                if c.rec["kind"] == "op":
+                    self._batch_ops += 1
+            self._write_batch()
+        finally:
+            self._batch = None
+            self._batch_ops = 0
         self._write_tables()
+
+    def _write_batch(self) -> None:
+        """Write the records collected by the flush in progress (counted once written)."""
+        batch = self._batch
+        if batch:
+            ops = self._batch_ops
+            self._batch, self._batch_ops = [], 0
+            self.writer.write_lines(batch)
+            self.records += len(batch)
+            self.ops_recorded += ops
 
     @staticmethod
     def _fetch(tensors: list[torch.Tensor], out: dict[Any, Any], ints: bool) -> None:
@@ -584,6 +606,7 @@ class Session:
         print(msg, file=sys.stderr, flush=True)
         rec = {"v": records.VERSION, "kind": "cap", "seq": self.seq, "step": self.step, "rank": self.rank,
                "limit_bytes": self.options.max_bytes, "written_bytes": self.written, "message": msg}
+        self._write_batch()  # the records before the cap record, when the cap is reached in a flush
         self.writer.write_line(records.encode(rec))
         for cb in self.on_cap:
             cb()
