@@ -130,6 +130,8 @@ class Session:
         self.sources = SourceIndex()
         self.policy = DumpPolicy(options)
         self.select_all = not (options.functions or options.modules or options.contexts)
+        self._max_bytes = options.max_bytes  # the cap, read once per record
+        self.all_steps = options.steps.ranges is None  # every step selected (no StepSet call per op)
         self.seq = 0
         self.step = 0
         self.contexts: list[str] = []
@@ -165,7 +167,7 @@ class Session:
     # ---- selection --------------------------------------------------------------------------
     @property
     def active(self) -> bool:
-        return not self.cap_reached and not self.closed and self.step in self.options.steps
+        return not self.cap_reached and not self.closed and (self.all_steps or self.step in self.options.steps)
 
     def selected(self, fn: str, module: str | None, context: str | None) -> bool:
         o = self.options
@@ -338,22 +340,32 @@ class Session:
         of an element type the native kernel reads (digest ``full``). Same cache key and results as
         :meth:`summarize`; ``None`` when the general path must decide."""
         tt = type(t)
-        if ((tt is not _Tensor and tt is not _Parameter) or not t.is_cpu or t.layout is not _STRIDED
-                or t.is_quantized or not t.is_contiguous() or t.is_neg()):
+        dtype = t.dtype
+        code = hostkernel.CODES.get(dtype)  # None for quantized element types too (no is_quantized read)
+        if ((tt is not _Tensor and tt is not _Parameter) or code is None or not t.is_cpu or t.layout is not _STRIDED
+                or not t.is_contiguous() or t.is_neg()):
             return None
         n = t.numel()
-        dtype = t.dtype
-        code = hostkernel.CODES.get(dtype)
-        if not n or code is None:
+        if not n:
             return None
         try:
             version = t._version
         except RuntimeError:  # an inference tensor: the general path
             return None
-        key = (t.data_ptr(), n, dtype, _CPU, version)
-        s = None if fresh else self._lookup(key)
-        if s is None:
-            s = self._fast_host(t, key, n, code if output else None)
+        ptr = t.data_ptr()
+        key = (ptr, n, dtype, _CPU, version)
+        s = None if fresh else self._cache.get(key)
+        if s is not None and (s.ref is None or s.ref() is None):  # self._lookup(key), inline
+            s = None
+        if s is None:  # self._fast_host(t, key, n, code if output else None), inline
+            kernel: Any = self.host  # not None: the caller checked host_digest
+            S, row = kernel.summary(ptr, n * t.element_size(), code if output else -1, True, output)
+            s = _Summary(None, None, n)
+            s.hex = finish(S, n)
+            if row is not None:
+                mn, mx, total, squares, nonfinite, inf = row
+                s.values = _moments_json(mn, mx, total, squares, nonfinite, inf, n)
+            self._remember(key, s, t)
         elif output and not s.has_stats:
             return None
         e: dict[str, Any] = {"slot": slot, "dtype": _DTYPE_NAMES.get(dtype) or records.dtype_name(dtype),
@@ -585,7 +597,7 @@ class Session:
     def _account(self, nbytes: int) -> bool:
         if self.cap_reached:
             return False
-        if self.written + self._tables_bytes + nbytes > self.options.max_bytes:
+        if self.written + self._tables_bytes + nbytes > self._max_bytes:
             self._reach_cap()
             return False
         self.written += nbytes
