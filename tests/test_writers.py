@@ -166,6 +166,75 @@ def test_a_record_cut_short_by_an_error_is_rolled_back(tmp_path: Path, monkeypat
     assert (tmp_path / "t.jsonl").read_bytes() == b'{"ok":1}\n{"ok":2}\n'
 
 
+@pytest.mark.parametrize("rotate", [None, 1, 30, 64, 1000])
+def test_write_lines_lands_as_write_line_does_with_one_write_per_segment(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, rotate: int | None) -> None:
+    import os
+
+    recs = [json.dumps({"i": i, "pad": "x" * (i % 7)}, separators=(",", ":")).encode() + b"\n" for i in range(23)]
+    one = tmp_path / "one"
+    w = JsonlWriter(one / "e.jsonl", rotate_bytes=rotate)
+    w.write_line(recs[0])
+    for r in recs[1:]:
+        w.write_line(r)
+    w.close()
+    real_write = os.write
+    writes = []
+
+    def counted(fd: int, data: bytes | memoryview) -> int:
+        writes.append(len(data))
+        return real_write(fd, data)
+
+    many = tmp_path / "many"
+    w = JsonlWriter(many / "e.jsonl", rotate_bytes=rotate)
+    w.write_line(recs[0])
+    monkeypatch.setattr(os, "write", counted)
+    w.write_lines(recs[1:12])
+    w.write_lines([])
+    w.write_lines(recs[12:])
+    monkeypatch.undo()
+    w.close()
+    a = {f.name: f.read_bytes() for f in one.iterdir()}
+    b = {f.name: f.read_bytes() for f in many.iterdir()}
+    assert a == b  # same segments, same bytes
+    assert len(writes) <= len(a) + 1  # at most one write() per segment each call lands in
+    assert sum(writes) == sum(len(r) for r in recs[1:])
+    if rotate is None or rotate == 1000:
+        assert len(writes) == 2  # one write() per call
+
+
+@pytest.mark.parametrize("bad", [[b"ok\n", b"no newline"], [b"two\nrecords\n"], [b"ok\n", b"double\n\n"], [b""]])
+def test_write_lines_refuses_anything_but_records(tmp_path: Path, bad: list[bytes]) -> None:
+    with JsonlWriter(tmp_path / "t.jsonl") as w, pytest.raises(ValueError):
+        w.write_lines(bad)
+    assert (tmp_path / "t.jsonl").read_bytes() == b""
+
+
+def test_write_lines_cut_short_by_an_error_leaves_none_of_the_batch(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    import errno
+    import os
+
+    w = JsonlWriter(tmp_path / "t.jsonl")
+    w.write_line(b'{"ok":1}\n')
+    real_write = os.write
+    calls = {"n": 0}
+
+    def short_then_enospc(fd: int, data: bytes | memoryview) -> int:
+        calls["n"] += 1
+        if calls["n"] == 1:
+            return real_write(fd, bytes(data)[:12])  # one whole record and a part of the next
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "write", short_then_enospc)
+    with pytest.raises(OSError):
+        w.write_lines([b'{"a":1}\n', b'{"b":2}\n', b'{"c":3}\n'])
+    monkeypatch.undo()
+    w.write_lines([b'{"ok":2}\n'])
+    w.close()
+    assert (tmp_path / "t.jsonl").read_bytes() == b'{"ok":1}\n{"ok":2}\n'
+
+
 def test_atomic_file_context_publishes_on_success_only(tmp_path: Path) -> None:
     from opguard.staging.writers import atomic_file
 

@@ -66,6 +66,7 @@ def input_slots(args: Sequence[Any], kwargs: Mapping[str, Any], method: bool) ->
 
 
 _Tensor, _Parameter = torch.Tensor, torch.nn.Parameter
+_names_get = records._names.get
 _isfinite = math.isfinite
 
 
@@ -136,25 +137,34 @@ class CaptureMode(TorchFunctionMode):
             if f0 is func and (args[0] if args else None) is a0:
                 return func(*args, **kwargs)  # PyTorch came back for the call being handled: run it
         try:
-            name, kind = records.function_name(func)
+            try:
+                hit = _names_get(func)  # the cache of records.function_name, read here (one call less)
+            except TypeError:  # unhashable callable
+                hit = None
+            name, kind = hit if hit is not None else records.function_name(func)
         except Exception as err:
             s.failed("recording", err)
             return func(*args, **kwargs)
-        if (kind and (kind == records.METADATA or not self.noise)) or not s.active:
+        if ((kind and (kind == records.METADATA or not self.noise)) or s.cap_reached or s.closed
+                or not (s.all_steps or s.step in s.options.steps)):  # not s.active, without the calls
             return func(*args, **kwargs)
         # only Python-level torch functions call other torch functions: re-enter the mode for them
         reenter = self.nested and isinstance(func, pytypes.FunctionType)
         call: Call | None = None
         dump_out = False
         try:
-            module, context = s.module, s.context
-            if s.selected(name, module, context):
+            modules, contexts = s.modules, s.contexts
+            module = modules[-1] if modules else None  # s.module, s.context
+            context = "/".join(contexts) if contexts else None
+            if s.select_all or s.selected(name, module, context):
                 site = s.sites.lookup(sys._getframe(1))
                 call = s.begin("function", name, site, where=(module, context))
                 ins, xs = split_args(args, kwargs, name.startswith("Tensor."))
                 if xs:
                     call.rec["args"] = xs
-                s.inputs(call, ins)
+                entry, put = s.entry, call.rec["inputs"].append  # s.inputs(call, ins), one call less
+                for slot, t in ins:
+                    put(entry(call, slot, t, False))
                 if s.policy.enabled and not s.parents and s.policy.wants(s.step, name, module, context, site):
                     s.dump(call.rec["seq"], ins)
                     dump_out = True
@@ -185,7 +195,7 @@ class CaptureMode(TorchFunctionMode):
             return result
         try:
             if not s.cap_reached:
-                outs = list(tensors_in(result, "out"))
+                outs = [("out", result)] if type(result) is _Tensor else list(tensors_in(result, "out"))
                 s.outputs(call, outs, uninitialized=name in records.UNINITIALIZED_FNS)
                 if dump_out:
                     s.dump(call.rec["seq"], [(f"{slot}", t) for slot, t in outs])

@@ -15,7 +15,6 @@ import socket
 import sys
 import time
 import weakref
-from collections import OrderedDict
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -53,16 +52,11 @@ def _dense(t: torch.Tensor) -> bool:
 
 
 class _Ref(weakref.ref):  # type: ignore[type-arg]
-    """A weak reference to a summarised tensor that knows its cache key (no closure per entry)."""
+    """A weak reference to a summarised tensor that knows its cache key (no closure per entry);
+    made as ``_Ref(t, callback)`` then ``.key`` set (no Python-level constructor: ~1 µs less)."""
 
     __slots__ = ("key",)
-
-    def __new__(cls, ob: torch.Tensor, callback: Any, key: tuple[Any, ...]) -> _Ref:
-        return super().__new__(cls, ob, callback)
-
-    def __init__(self, ob: torch.Tensor, callback: Any, key: tuple[Any, ...]) -> None:
-        super().__init__(ob, callback)  # type: ignore[call-arg]
-        self.key = key
+    key: tuple[Any, ...]
 
 
 class _Summary:
@@ -137,13 +131,17 @@ class Session:
         self.sources = SourceIndex()
         self.policy = DumpPolicy(options)
         self.select_all = not (options.functions or options.modules or options.contexts)
+        self._max_bytes = options.max_bytes  # the cap, read once per record
+        self.all_steps = options.steps.ranges is None  # every step selected (no StepSet call per op)
         self.seq = 0
         self.step = 0
         self.contexts: list[str] = []
         self.modules: list[str] = []
         self.parents: list[int] = []
         self.pending: list[Call] = []
-        self._cache: OrderedDict[tuple[Any, ...], _Summary] = OrderedDict()
+        self._batch: list[bytes] | None = None  # encoded records of the flush in progress, not yet written
+        self._batch_ops = 0  # op records among them
+        self._cache: dict[tuple[Any, ...], _Summary] = {}
         self._dead = self._dead_entry  # one bound method for every weak reference's callback
         self.written = 0
         self._file_sizes: dict[str, int] = {}
@@ -170,7 +168,7 @@ class Session:
     # ---- selection --------------------------------------------------------------------------
     @property
     def active(self) -> bool:
-        return not self.cap_reached and not self.closed and self.step in self.options.steps
+        return not self.cap_reached and not self.closed and (self.all_steps or self.step in self.options.steps)
 
     def selected(self, fn: str, module: str | None, context: str | None) -> bool:
         o = self.options
@@ -323,13 +321,15 @@ class Session:
         """Cache ``s`` under ``key`` while ``t`` is alive: the entry is dropped when ``t`` dies
         (bounded memory: only live tensors' entries stay; at most CACHE_ENTRIES, oldest first)."""
         try:
-            s.ref = _Ref(t, self._dead, key)
+            ref = _Ref(t, self._dead)
         except TypeError:
             return  # not weakly referenceable: never reused
+        ref.key = key
+        s.ref = ref
         cache = self._cache
         cache[key] = s
         if len(cache) > CACHE_ENTRIES:
-            cache.popitem(last=False)
+            del cache[next(iter(cache))]  # the oldest entry (dicts keep insertion order)
 
     def _dead_entry(self, ref: _Ref) -> None:
         s = self._cache.get(ref.key)
@@ -341,22 +341,32 @@ class Session:
         of an element type the native kernel reads (digest ``full``). Same cache key and results as
         :meth:`summarize`; ``None`` when the general path must decide."""
         tt = type(t)
-        if ((tt is not _Tensor and tt is not _Parameter) or not t.is_cpu or t.layout is not _STRIDED
-                or t.is_quantized or not t.is_contiguous() or t.is_neg()):
+        dtype = t.dtype
+        code = hostkernel.CODES.get(dtype)  # None for quantized element types too (no is_quantized read)
+        if ((tt is not _Tensor and tt is not _Parameter) or code is None or not t.is_cpu or t.layout is not _STRIDED
+                or not t.is_contiguous() or t.is_neg()):
             return None
         n = t.numel()
-        dtype = t.dtype
-        code = hostkernel.CODES.get(dtype)
-        if not n or code is None:
+        if not n:
             return None
         try:
             version = t._version
         except RuntimeError:  # an inference tensor: the general path
             return None
-        key = (t.data_ptr(), n, dtype, _CPU, version)
-        s = None if fresh else self._lookup(key)
-        if s is None:
-            s = self._fast_host(t, key, n, code if output else None)
+        ptr = t.data_ptr()
+        key = (ptr, n, dtype, _CPU, version)
+        s = None if fresh else self._cache.get(key)
+        if s is not None and (s.ref is None or s.ref() is None):  # self._lookup(key), inline
+            s = None
+        if s is None:  # self._fast_host(t, key, n, code if output else None), inline
+            kernel: Any = self.host  # not None: the caller checked host_digest
+            S, row = kernel.summary(ptr, n * t.element_size(), code if output else -1, True, output)
+            s = _Summary(None, None, n)
+            s.hex = finish(S, n)
+            if row is not None:
+                mn, mx, total, squares, nonfinite, inf = row
+                s.values = _moments_json(mn, mx, total, squares, nonfinite, inf, n)
+            self._remember(key, s, t)
         elif output and not s.has_stats:
             return None
         e: dict[str, Any] = {"slot": slot, "dtype": _DTYPE_NAMES.get(dtype) or records.dtype_name(dtype),
@@ -546,15 +556,39 @@ class Session:
                         v = s.values = _json_stats(finish_stats(rows[id(s.stats)], s.n))
                     if v is not None:
                         e["stats"] = v
-        for c in calls:
-            if self.cap_reached:
-                self.dropped += 1
-                continue
-            self._write_line(records.encode(c.rec))
-            self.records += 1
-            if c.rec["kind"] == "op":
-                self.ops_recorded += 1
+        # the encoded records go out with one write() per flush (JsonlWriter.write_lines), in order;
+        # the cap is decided per record exactly as record by record (the cap record follows the last
+        # record that fitted: _reach_cap writes the batch first)
+        batch: list[bytes] = []
+        self._batch = batch
+        encode = records.encode
+        try:
+            for c in calls:
+                if self.cap_reached:
+                    self.dropped += 1
+                    continue
+                line = encode(c.rec)
+                if not self._account(len(line)):
+                    self.dropped += 1
+                    continue
+                batch.append(line)
+                if c.rec["kind"] == "op":
+                    self._batch_ops += 1
+            self._write_batch()
+        finally:
+            self._batch = None
+            self._batch_ops = 0
         self._write_tables()
+
+    def _write_batch(self) -> None:
+        """Write the records collected by the flush in progress (counted once written)."""
+        batch = self._batch
+        if batch:
+            ops = self._batch_ops
+            self._batch, self._batch_ops = [], 0
+            self.writer.write_lines(batch)
+            self.records += len(batch)
+            self.ops_recorded += ops
 
     @staticmethod
     def _fetch(tensors: list[torch.Tensor], out: dict[Any, Any], ints: bool) -> None:
@@ -572,7 +606,7 @@ class Session:
     def _account(self, nbytes: int) -> bool:
         if self.cap_reached:
             return False
-        if self.written + self._tables_bytes + nbytes > self.options.max_bytes:
+        if self.written + self._tables_bytes + nbytes > self._max_bytes:
             self._reach_cap()
             return False
         self.written += nbytes
@@ -593,6 +627,7 @@ class Session:
         print(msg, file=sys.stderr, flush=True)
         rec = {"v": records.VERSION, "kind": "cap", "seq": self.seq, "step": self.step, "rank": self.rank,
                "limit_bytes": self.options.max_bytes, "written_bytes": self.written, "message": msg}
+        self._write_batch()  # the records before the cap record, when the cap is reached in a flush
         self.writer.write_line(records.encode(rec))
         for cb in self.on_cap:
             cb()

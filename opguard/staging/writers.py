@@ -52,7 +52,8 @@ def segment_path(path: Path, n: int) -> Path:
 
 
 class JsonlWriter:
-    """Append whole records to a JSON-lines file (O_APPEND, one ``write()`` per record).
+    """Append whole records to a JSON-lines file (O_APPEND, one ``write()`` per record, or per
+    batch of records with :meth:`write_lines`).
 
     ``rotate()`` closes the current segment and continues in the next segment file
     (``name.000001.jsonl``, ``name.000002.jsonl``, ...): nothing is renamed, so nothing already
@@ -103,7 +104,47 @@ class JsonlWriter:
             raise ValueError(f"{self.path} is closed")
         if self.rotate_bytes is not None and self._size > 0 and self._size + len(line) > self.rotate_bytes:
             self.rotate()
-        view = memoryview(line)
+        self._append(line)
+
+    def write_lines(self, lines: list[bytes]) -> None:
+        """Append many records with one ``write()`` per segment they land in (the capture flush).
+
+        Each line must end in exactly one newline and contain no other. Rotation is decided per
+        record exactly as by :meth:`write_line` (the same segment boundaries); a failed write leaves
+        none of the records of the failing ``write()`` in the file (ENOSPC mid-batch: the partial
+        tail is cut off, as for one record) and raises."""
+        if not lines:
+            return
+        for line in lines:
+            if not line.endswith(b"\n"):
+                raise ValueError("write_lines() takes records each ending in a single b'\\n'")
+        data = b"".join(lines)
+        if data.count(b"\n") != len(lines):
+            raise ValueError("write_lines() takes records each ending in a single b'\\n' and containing no other")
+        if self._fd is None:
+            raise ValueError(f"{self.path} is closed")
+        limit = self.rotate_bytes
+        if limit is None or self._size + len(data) <= limit:
+            self._append(data)
+            return
+        start = end = 0  # data[start:end] is the chunk for the current segment
+        size = self._size
+        for line in lines:
+            n = len(line)
+            if size > 0 and size + n > limit:
+                if end > start:
+                    self._append(data[start:end])
+                self.rotate()
+                start, size = end, 0
+            size += n
+            end += n
+        if end > start:
+            self._append(data[start:end])
+
+    def _append(self, data: bytes) -> None:
+        """One ``write()`` (more only on a short write) of whole records at the end of the segment."""
+        assert self._fd is not None
+        view = memoryview(data)
         written = 0
         try:
             while view:
@@ -114,7 +155,7 @@ class JsonlWriter:
             if written:
                 self._rollback(written)
             raise
-        self._size += len(line)
+        self._size += len(data)
 
     def _rollback(self, written: int) -> None:
         """Cut off a partially written record (ENOSPC mid-record) so later records stay whole."""

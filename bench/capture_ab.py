@@ -1,0 +1,94 @@
+"""A/B of capture's cost per recorded op: this tree against another copy of ``opguard/`` (e.g. the
+code before a change: ``mkdir /tmp/old && git archive HEAD opguard | tar -x -C /tmp/old``; the
+native kernel ``opguard/capture/_hostkernel.abi3.so`` copied in).
+
+    OMP_NUM_THREADS=1 nice .venv/bin/python bench/capture_ab.py --old /tmp/old [--rounds 4]
+        [--steps 6] [--models ops,gpt,mlp]
+
+Each round runs one fresh process per tree, the order alternating (new/old, old/new, ...); a
+process times ``--steps`` uncaptured and ``--steps`` captured steps of every model (the models of
+``bench/capture_ops.py``), thread CPU time. Per tree and model the figure is the **minimum** over
+all rounds and steps (captured and uncaptured separately): on a shared machine other processes
+only ever add time, so the minimum is the least disturbed measurement. Printed: CPU ratio
+(captured / uncaptured step) and CPU µs per recorded op, per tree, and the 1-minute load average
+before every process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+
+CHILD = r"""
+import json, sys, tempfile, time
+from pathlib import Path
+tree, repo, models, steps = sys.argv[1], sys.argv[2], sys.argv[3].split(","), int(sys.argv[4])
+sys.path[:0] = [tree, repo]
+import torch
+torch.set_num_threads(1)
+import opguard.capture as oc
+from bench.capture_ops import count_ops, make
+assert oc.__file__.startswith(tree), (oc.__file__, tree)
+out = {}
+for name in models:
+    step = make(name)
+    for _ in range(2):
+        step()
+    base = []
+    for _ in range(steps):
+        c0 = time.thread_time(); step(); base.append(time.thread_time() - c0)
+    d = Path(tempfile.mkdtemp(prefix="capab-"))
+    cap = []
+    with oc.capture(env={"OPGUARD_TRACE_OUTPUT_BASE": str(d)}):
+        step()
+        for _ in range(steps):
+            c0 = time.thread_time(); step(); cap.append(time.thread_time() - c0)
+    out[name] = {"base": base, "cap": cap, "records_per_step": count_ops(d) / (steps + 1)}
+print(json.dumps(out))
+"""
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--old", type=Path, required=True, help="a directory holding the other opguard/")
+    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--models", default="ops,gpt,mlp")
+    args = ap.parse_args()
+    trees = {"new": str(REPO), "old": str(args.old.resolve())}
+    got: dict[str, dict[str, dict[str, Any]]] = {"new": {}, "old": {}}
+    loads: list[float] = []
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    for rnd in range(args.rounds):
+        for tag in (("new", "old") if rnd % 2 == 0 else ("old", "new")):
+            loads.append(round(os.getloadavg()[0], 2))
+            with tempfile.TemporaryDirectory() as cwd:
+                res = subprocess.run([sys.executable, "-c", CHILD, trees[tag], str(REPO), args.models,
+                                      str(args.steps)], cwd=cwd, env=env, capture_output=True, text=True,
+                                     check=True)
+            for name, r in json.loads(res.stdout.strip().splitlines()[-1]).items():
+                acc = got[tag].setdefault(name, {"base": [], "cap": [], "records_per_step": r["records_per_step"]})
+                acc["base"] += r["base"]
+                acc["cap"] += r["cap"]
+            print(f"round {rnd} {tag} done (load {loads[-1]})", file=sys.stderr, flush=True)
+    table: dict[str, Any] = {}
+    for tag, models in got.items():
+        for name, acc in models.items():
+            b, c, n = min(acc["base"]), min(acc["cap"]), acc["records_per_step"]
+            table.setdefault(name, {})[tag] = {
+                "cpu_ratio": round(c / b, 3), "cpu_us_per_record": round((c - b) / n * 1e6, 1) if n else None,
+                "base_ms": round(b * 1e3, 3), "cap_ms": round(c * 1e3, 3), "records_per_step": n}
+    print(json.dumps({"models": table, "loadavg_1min": loads, "config": {k: str(v) for k, v in vars(args).items()}},
+                     indent=1))
+
+
+if __name__ == "__main__":
+    main()
