@@ -153,3 +153,41 @@ def test_processes_without_a_temporary_file_for_the_mutex_is_a_clear_error_and_a
     assert rep.exit_code == 0 and [s.batches for s in rep.streams] == [1, 1]
     for r, files in written.items():
         assert replay(staging_env, f"rank-{r:06d}") == files
+
+
+@pytest.mark.parametrize(("cpus", "builders", "expected"),
+                         [(1, 1, 0), (2, 1, 2), (2, 2, 0), (4, 1, 4), (16, 1, 4), (16, 2, 2), (16, 4, 1),
+                          (3, 2, 1), (4, 8, 0)])
+def test_zstd_workers_share_the_cpus_the_builders_leave(monkeypatch: pytest.MonkeyPatch, cpus: int, builders: int,
+                                                        expected: int) -> None:
+    monkeypatch.setattr(sync_mod, "usable_cpus", lambda: cpus)
+    assert sync_mod.zstd_workers(builders) == expected
+    assert expected * builders <= sync_mod.MAX_ZSTD_WORKERS
+
+
+def test_one_stream_compresses_with_zstd_workers_and_restores_the_same_bytes(
+        staging_env: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A single stream with CPUs to spare: the batch is compressed by zstd worker threads in jobs of
+    ZSTD_JOB_SIZE (several jobs here), and the one frame reads back entry for entry."""
+    from opguard.staging import build as build_mod
+    from opguard.staging.bundle import ZSTD_JOB_SIZE, BatchWriter
+
+    d = rank_dir(staging_env, 0)
+    lines = b"".join(b'{"op": "aten::mm", "step": %d, "value": %d}\n' % (i, i * i) for i in range(200_000))
+    assert len(lines) > 3 * ZSTD_JOB_SIZE
+    (d / "trace.jsonl").write_bytes(lines)
+    write_file_atomic(d / "t.bin", os.urandom(3 * ZSTD_JOB_SIZE + 17))
+    threads: list[int] = []
+
+    class Spy(BatchWriter):
+        def __init__(self, *a: Any, **k: Any) -> None:
+            threads.append(k.get("threads", -99))
+            super().__init__(*a, **k)
+
+    monkeypatch.setattr(build_mod, "BatchWriter", Spy)
+    monkeypatch.setattr(sync_mod, "usable_cpus", lambda: 8)
+    config = StagingConfig.from_env(staging_env)
+    rep = sync_streams(config, Layout(config), ["rank-000000"], node_id="node-a", final=True)
+    assert rep.exit_code == 0 and rep.streams[0].batches == 1, rep.to_json()
+    assert threads == [sync_mod.MAX_ZSTD_WORKERS]
+    assert replay(staging_env) == {"trace.jsonl": lines, "t.bin": (d / "t.bin").read_bytes()}

@@ -24,7 +24,7 @@ import filelock
 from opguard.errors import ConfigError, IdentityError, LockTimeout, OpguardError, PublishError
 from opguard.staging import crashpoints, forkpool
 from opguard.staging.build import BatchSource, Torn, build_batch
-from opguard.staging.bundle import ZSTD_THREADS, BatchWriteError, read_manifest
+from opguard.staging.bundle import BatchWriteError, read_manifest
 from opguard.staging.checkpoint import Checkpoint, Pending, save_checkpoint
 from opguard.staging.config import StagingConfig
 from opguard.staging.fsutil import create_exclusive, dump_json, fsync_dir, read_json
@@ -147,7 +147,7 @@ class _Ctx:
     progress: Progress
     report: StreamReport
     uploading: Any  # the sync's own uploads take turns on this (then on the node upload lock)
-    zstd_threads: int = ZSTD_THREADS
+    zstd_threads: int = 0
     skipped_changed: bool = False
 
     @property
@@ -407,16 +407,39 @@ def _payload_of(ctx: _Ctx, pending: Pending) -> int:
         return 0
 
 
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity mask: a Slurm step's allocation), at least 1."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
 def stream_workers(streams: int) -> int:
     """How many streams one sync builds at once: one per CPU this process may run on, at most
     MAX_STREAM_WORKERS (each builder holds a compression context and its read buffers: peak RSS of
     one sync of 8 x 5,000 files of 16 KiB was 53 MiB at 2 workers, 76 MiB at 4, 73 MiB at 1 with a zstd
     worker thread), never more than there are streams. Uploads stay one at a time per node (the upload lock)."""
-    try:
-        cpus = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        cpus = os.cpu_count() or 1
-    return max(1, min(streams, cpus, MAX_STREAM_WORKERS))
+    return max(1, min(streams, usable_cpus(), MAX_STREAM_WORKERS))
+
+
+MAX_ZSTD_WORKERS = 4
+
+
+def zstd_workers(builders: int) -> int:
+    """zstd worker threads per batch when ``builders`` streams build at once (``docs/protocol.md``).
+
+    0 (each builder compresses inline) when the builders already have a CPU each; otherwise the
+    CPUs they leave, shared out, and at most MAX_ZSTD_WORKERS in all: ``min(cpus // builders,
+    MAX_ZSTD_WORKERS // builders)``. A single stream on a 2-CPU node gets 2, on a 16-CPU node 4. Each
+    worker buffers a few jobs of ``bundle.ZSTD_JOB_SIZE``: peak RSS of a one-stream sync at
+    MAX_ZSTD_WORKERS is in docs/benchmarks.md (staging run 9), under the 128 MiB goal.
+    """
+    builders = max(1, builders)
+    cpus = usable_cpus()
+    if builders >= cpus:
+        return 0
+    return min(cpus // builders, MAX_ZSTD_WORKERS // builders)
 
 
 def _sync_one(config: StagingConfig, layout: Layout, sr: StreamReport, final: bool, node_id: str, tb: Bucket,
@@ -502,7 +525,7 @@ def sync_streams(config: StagingConfig, layout: Layout, streams: Sequence[str], 
     tb: Bucket = bucket if bucket is not None else TokenBucket(config.rate_bytes_per_s)
     report.streams = [StreamReport(stream) for stream in streams]
     n = stream_workers(len(streams)) if workers is None else max(1, min(workers, len(streams)))
-    zthreads = ZSTD_THREADS if n == 1 else 0
+    zthreads = zstd_workers(n)
     own = tb if isinstance(tb, TokenBucket | Unlimited) else None  # one the workers can share
     forked = n > 1 and processes is not False and forkpool.available() and own is not None
     mutex: forkpool.ProcessMutex | None = None
