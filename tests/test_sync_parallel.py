@@ -191,3 +191,30 @@ def test_one_stream_compresses_with_zstd_workers_and_restores_the_same_bytes(
     assert rep.exit_code == 0 and rep.streams[0].batches == 1, rep.to_json()
     assert threads == [sync_mod.MAX_ZSTD_WORKERS]
     assert replay(staging_env) == {"trace.jsonl": lines, "t.bin": (d / "t.bin").read_bytes()}
+
+
+def test_the_node_stream_compresses_inline_and_leaves_the_workers_to_the_rank_stream(
+        staging_env: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The per-rank wrapper's ``--rank R --node`` on 2 CPUs: two builders, but the node stream is
+    metadata, so rank R's batch gets the zstd workers of a one-stream sync."""
+    written = _fill(staging_env, 1)
+    config = StagingConfig.from_env(staging_env)
+    layout = Layout(config)
+    node = layout.node_dir("node-a")
+    node.mkdir(parents=True)
+    write_file_atomic(node / "attempts.json", b'{"version": 1}')
+    seen: dict[str, int] = {}
+    real = sync_mod._sync_one
+
+    def spy(config: Any, layout: Any, sr: Any, final: bool, node_id: str, tb: Any, say: Any, zstd_threads: int,
+            uploading: Any) -> Any:
+        seen[sr.stream] = zstd_threads
+        return real(config, layout, sr, final, node_id, tb, say, zstd_threads, uploading)
+
+    monkeypatch.setattr(sync_mod, "_sync_one", spy)
+    monkeypatch.setattr(sync_mod, "usable_cpus", lambda: 2)
+    rep = sync_streams(config, layout, ["rank-000000", "node-node-a"], node_id="node-a", final=True,
+                       processes=False)
+    assert rep.exit_code == 0, rep.to_json()
+    assert seen == {"rank-000000": 2, "node-node-a": 0}
+    assert replay(staging_env) == written[0]

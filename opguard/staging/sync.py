@@ -525,7 +525,10 @@ def sync_streams(config: StagingConfig, layout: Layout, streams: Sequence[str], 
     tb: Bucket = bucket if bucket is not None else TokenBucket(config.rate_bytes_per_s)
     report.streams = [StreamReport(stream) for stream in streams]
     n = stream_workers(len(streams)) if workers is None else max(1, min(workers, len(streams)))
-    zthreads = zstd_workers(n)
+    # the node stream is the node's metadata (small): it compresses inline and leaves the CPUs to the
+    # rank streams (the per-rank wrapper's `--rank R --node` is one big stream, not two)
+    ranks = sum(1 for st in streams if _RANK_STREAM.match(st))
+    zthreads = zstd_workers(min(n, ranks)) if ranks else 0
     own = tb if isinstance(tb, TokenBucket | Unlimited) else None  # one the workers can share
     forked = n > 1 and processes is not False and forkpool.available() and own is not None
     mutex: forkpool.ProcessMutex | None = None
@@ -544,7 +547,8 @@ def sync_streams(config: StagingConfig, layout: Layout, streams: Sequence[str], 
     uploading: Any = mutex if mutex is not None else threading.Lock()
 
     def one(sr: StreamReport) -> StreamReport:
-        return _sync_one(config, layout, sr, final, node_id, tb, say, zthreads, uploading)
+        return _sync_one(config, layout, sr, final, node_id, tb, say,
+                         zthreads if _RANK_STREAM.match(sr.stream) else 0, uploading)
 
     try:
         if n == 1:
