@@ -7,6 +7,8 @@
     100 float32 binaries of 1 MiB: the issue's 197 MiB tree, one batch at the default 256 MiB)
     vs ``tar -cf - DIR | zstd -3 -T1 > FILE && sync FILE``                                   [<= 1.25x]
     and its peak RSS                                                                         [<= 128 MiB]
+(n) ``opguard sync --rank 0 --node --final`` (the per-rank wrapper's command on the node's first rank):
+    (s)'s tree plus a small node-metadata file, vs the same baseline                       [<= 1.25x]
 (m) ``opguard sync --all --final`` of 192 MiB over 8 ranks (4 x 3 MiB JSON lines, 12 x 1 MiB each)
     vs the same baseline of that tree                                                        [not worse]
 
@@ -105,7 +107,7 @@ def main() -> int:
     ap.add_argument("--src", type=Path, default=None, help="run the opguard package under this directory")
     ap.add_argument("--before", type=Path, default=None,
                     help="also run the opguard package under this directory, in the same rounds ('before')")
-    ap.add_argument("--only", choices=("s", "m"), default=None)
+    ap.add_argument("--only", choices=("s", "n", "m"), nargs="+", default=None)
     ap.add_argument("--json", type=Path, default=None)
     a = ap.parse_args()
     variants: dict[str, Path | None] = {"after" if a.before else "opguard": a.src}
@@ -115,7 +117,16 @@ def main() -> int:
     out: dict[str, object] = {"src": str(a.src) if a.src else "checkout", "before": str(a.before) if a.before else None,
                               "load_start": os.getloadavg()[0]}
     try:
-        if a.only in (None, "s"):
+        only = set(a.only or ("s", "n", "m"))
+        if "n" in only:
+            ws = sb.Workspace(work, "n")
+            size = single_tree(ws)
+            (ws.local / "node").mkdir()
+            (ws.local / "node" / "attempts.json").write_text('{"version": 1, "attempts": []}\n')
+            out["n"] = {"data_MiB": round(size / sb.MiB, 1),
+                        **rounds(ws, ["--rank", "0", "--node"], variants, work / "n.tar.zst", a.rounds, "n")}
+            shutil.rmtree(ws.root)
+        if "s" in only:
             ws = sb.Workspace(work, "s")
             size = single_tree(ws)
             res = rounds(ws, ["--rank", "0"], variants, work / "s.tar.zst", a.rounds, "s")
@@ -125,7 +136,7 @@ def main() -> int:
                 res[v]["peak_rss_MiB"] = round(rss.maxrss_kib / 1024, 1)  # type: ignore[index]
             out["s"] = {"data_MiB": round(size / sb.MiB, 1), **res}
             shutil.rmtree(ws.root)
-        if a.only in (None, "m"):
+        if "m" in only:
             ws = sb.Workspace(work, "m")
             size = sum(single_tree(ws, r, jsonl_mib=3, bins=12) for r in range(8))
             out["m"] = {"data_MiB": round(size / sb.MiB, 1),

@@ -161,8 +161,20 @@ def test_processes_without_a_temporary_file_for_the_mutex_is_a_clear_error_and_a
 def test_zstd_workers_share_the_cpus_the_builders_leave(monkeypatch: pytest.MonkeyPatch, cpus: int, builders: int,
                                                         expected: int) -> None:
     monkeypatch.setattr(sync_mod, "usable_cpus", lambda: cpus)
+    monkeypatch.setattr(sync_mod, "busy_cpus", lambda: 0.0)
     assert sync_mod.zstd_workers(builders) == expected
     assert expected * builders <= sync_mod.MAX_ZSTD_WORKERS
+
+
+@pytest.mark.parametrize(("cpus", "load", "builders", "expected"),
+                         [(2, 0.5, 1, 2), (2, 1.0, 1, 0), (2, 5.0, 1, 0), (16, 8.0, 1, 4), (16, 14.5, 1, 2),
+                          (16, 15.0, 1, 0), (16, 12.5, 2, 2), (16, 13.5, 2, 1), (16, 14.0, 2, 0)])
+def test_zstd_workers_compress_inline_when_the_cpus_are_busy(monkeypatch: pytest.MonkeyPatch, cpus: int,
+                                                             load: float, builders: int, expected: int) -> None:
+    """Workers cost CPU of their own: only where the CPUs left idle lately outnumber the builders."""
+    monkeypatch.setattr(sync_mod, "usable_cpus", lambda: cpus)
+    monkeypatch.setattr(sync_mod, "busy_cpus", lambda: load)
+    assert sync_mod.zstd_workers(builders) == expected
 
 
 def test_one_stream_compresses_with_zstd_workers_and_restores_the_same_bytes(
@@ -186,6 +198,7 @@ def test_one_stream_compresses_with_zstd_workers_and_restores_the_same_bytes(
 
     monkeypatch.setattr(build_mod, "BatchWriter", Spy)
     monkeypatch.setattr(sync_mod, "usable_cpus", lambda: 8)
+    monkeypatch.setattr(sync_mod, "busy_cpus", lambda: 0.0)
     config = StagingConfig.from_env(staging_env)
     rep = sync_streams(config, Layout(config), ["rank-000000"], node_id="node-a", final=True)
     assert rep.exit_code == 0 and rep.streams[0].batches == 1, rep.to_json()
@@ -213,6 +226,7 @@ def test_the_node_stream_compresses_inline_and_leaves_the_workers_to_the_rank_st
 
     monkeypatch.setattr(sync_mod, "_sync_one", spy)
     monkeypatch.setattr(sync_mod, "usable_cpus", lambda: 2)
+    monkeypatch.setattr(sync_mod, "busy_cpus", lambda: 0.5)
     rep = sync_streams(config, layout, ["rank-000000", "node-node-a"], node_id="node-a", final=True,
                        processes=False)
     assert rep.exit_code == 0, rep.to_json()

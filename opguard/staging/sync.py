@@ -9,6 +9,7 @@ everything visible at its start and seals the stream (``final``).
 from __future__ import annotations
 
 import errno
+import math
 import os
 import re
 import threading
@@ -426,20 +427,33 @@ def stream_workers(streams: int) -> int:
 MAX_ZSTD_WORKERS = 4
 
 
+def busy_cpus() -> float:
+    """How many CPUs the machine's processes kept busy lately: the 1-minute load average (0 if unknown)."""
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return 0.0
+
+
 def zstd_workers(builders: int) -> int:
     """zstd worker threads per batch when ``builders`` streams build at once (``docs/protocol.md``).
 
-    0 (each builder compresses inline) when the builders already have a CPU each; otherwise the
-    CPUs they leave, shared out, and at most MAX_ZSTD_WORKERS in all: ``min(cpus // builders,
-    MAX_ZSTD_WORKERS // builders)``. A single stream on a 2-CPU node gets 2, on a 16-CPU node 4. Each
-    worker buffers a few jobs of ``bundle.ZSTD_JOB_SIZE``: peak RSS of a one-stream sync at
-    MAX_ZSTD_WORKERS is in docs/benchmarks.md (staging run 9), under the 128 MiB goal.
+    Workers only pay where they find idle CPUs: they cost CPU of their own (handing jobs over,
+    copying the input into job buffers; a one-stream sync of 196 MiB: 2.27 s CPU with 2 workers vs
+    2.01 s inline, docs/benchmarks.md staging run 9), and on busy CPUs the ratio to ``tar | zstd``
+    follows CPU seconds. So 0 (each builder compresses inline) when the builders have no CPU beyond
+    one each, or when the CPUs left idle lately (usable CPUs minus the 1-minute load average) are
+    not more than the builders. Otherwise the idle CPUs, shared out, and at most MAX_ZSTD_WORKERS in
+    all: ``min(ceil(idle) // builders, cpus // builders, MAX_ZSTD_WORKERS // builders)``. Each worker
+    buffers a few jobs of ``bundle.ZSTD_JOB_SIZE``: peak RSS of a one-stream sync is under the 128 MiB
+    goal at MAX_ZSTD_WORKERS (staging run 9).
     """
     builders = max(1, builders)
     cpus = usable_cpus()
-    if builders >= cpus:
+    idle = cpus - busy_cpus()
+    if builders >= cpus or idle <= builders:
         return 0
-    return min(cpus // builders, MAX_ZSTD_WORKERS // builders)
+    return max(1, min(math.ceil(idle) // builders, cpus // builders, MAX_ZSTD_WORKERS // builders))
 
 
 def _sync_one(config: StagingConfig, layout: Layout, sr: StreamReport, final: bool, node_id: str, tb: Bucket,
