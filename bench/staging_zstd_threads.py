@@ -1,11 +1,11 @@
 #!/usr/bin/env python3
-"""Peak RSS and sync time for zstd worker-thread settings (``opguard.staging.bundle.ZSTD_THREADS``).
+"""Peak RSS and sync time for zstd worker-thread settings (``opguard.staging.sync.zstd_workers``).
 
     .venv/bin/python bench/staging_zstd_threads.py [--threads 0 1 -1] [--mib 512]
 
-Runs the real CLI with ``bundle.ZSTD_THREADS`` patched: (e) peak RSS of a 256 MiB-payload batch and
-(a) an uncapped final sync of ``--mib`` MiB of mixed trace data, alternating settings twice, with
-``tar -cf - | zstd -3`` of the same tree after each round. Data from ``staging_bench``.
+Runs the real CLI with ``sync.zstd_workers`` patched to return ``--threads``: (e) peak RSS of a
+256 MiB-payload batch and (a) an uncapped final sync of ``--mib`` MiB of mixed trace data, alternating
+settings twice, with ``tar -cf - | zstd -3`` of the same tree after each round. Data from ``staging_bench``.
 """
 
 from __future__ import annotations
@@ -23,8 +23,9 @@ import staging_bench as sb
 
 
 def cli(threads: int) -> list[str]:
-    return [sys.executable, "-c", "import sys; import opguard.staging.bundle as b; "
-            f"b.ZSTD_THREADS = {threads}; from opguard.cli import main; sys.argv = ['opguard'] + sys.argv[1:]; main()"]
+    return [sys.executable, "-c", "import sys; import opguard.staging.sync as s; "
+            f"s.zstd_workers = lambda n: {threads}; from opguard.cli import main; "
+            "sys.argv = ['opguard'] + sys.argv[1:]; main()"]
 
 
 def main() -> int:

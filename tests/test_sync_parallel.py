@@ -153,3 +153,82 @@ def test_processes_without_a_temporary_file_for_the_mutex_is_a_clear_error_and_a
     assert rep.exit_code == 0 and [s.batches for s in rep.streams] == [1, 1]
     for r, files in written.items():
         assert replay(staging_env, f"rank-{r:06d}") == files
+
+
+@pytest.mark.parametrize(("cpus", "builders", "expected"),
+                         [(1, 1, 0), (2, 1, 2), (2, 2, 0), (4, 1, 4), (16, 1, 4), (16, 2, 2), (16, 4, 1),
+                          (3, 2, 1), (4, 8, 0)])
+def test_zstd_workers_share_the_cpus_the_builders_leave(monkeypatch: pytest.MonkeyPatch, cpus: int, builders: int,
+                                                        expected: int) -> None:
+    monkeypatch.setattr(sync_mod, "usable_cpus", lambda: cpus)
+    monkeypatch.setattr(sync_mod, "busy_cpus", lambda: 0.0)
+    assert sync_mod.zstd_workers(builders) == expected
+    assert expected * builders <= sync_mod.MAX_ZSTD_WORKERS
+
+
+@pytest.mark.parametrize(("cpus", "load", "builders", "expected"),
+                         [(2, 0.5, 1, 2), (2, 1.0, 1, 0), (2, 5.0, 1, 0), (16, 8.0, 1, 4), (16, 14.5, 1, 2),
+                          (16, 15.0, 1, 0), (16, 12.5, 2, 2), (16, 13.5, 2, 1), (16, 14.0, 2, 0)])
+def test_zstd_workers_compress_inline_when_the_cpus_are_busy(monkeypatch: pytest.MonkeyPatch, cpus: int,
+                                                             load: float, builders: int, expected: int) -> None:
+    """Workers cost CPU of their own: only where the CPUs left idle lately outnumber the builders."""
+    monkeypatch.setattr(sync_mod, "usable_cpus", lambda: cpus)
+    monkeypatch.setattr(sync_mod, "busy_cpus", lambda: load)
+    assert sync_mod.zstd_workers(builders) == expected
+
+
+def test_one_stream_compresses_with_zstd_workers_and_restores_the_same_bytes(
+        staging_env: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A single stream with CPUs to spare: the batch is compressed by zstd worker threads in jobs of
+    ZSTD_JOB_SIZE (several jobs here), and the one frame reads back entry for entry."""
+    from opguard.staging import build as build_mod
+    from opguard.staging.bundle import ZSTD_JOB_SIZE, BatchWriter
+
+    d = rank_dir(staging_env, 0)
+    lines = b"".join(b'{"op": "aten::mm", "step": %d, "value": %d}\n' % (i, i * i) for i in range(200_000))
+    assert len(lines) > 3 * ZSTD_JOB_SIZE
+    (d / "trace.jsonl").write_bytes(lines)
+    write_file_atomic(d / "t.bin", os.urandom(3 * ZSTD_JOB_SIZE + 17))
+    threads: list[int] = []
+
+    class Spy(BatchWriter):
+        def __init__(self, *a: Any, **k: Any) -> None:
+            threads.append(k.get("threads", -99))
+            super().__init__(*a, **k)
+
+    monkeypatch.setattr(build_mod, "BatchWriter", Spy)
+    monkeypatch.setattr(sync_mod, "usable_cpus", lambda: 8)
+    monkeypatch.setattr(sync_mod, "busy_cpus", lambda: 0.0)
+    config = StagingConfig.from_env(staging_env)
+    rep = sync_streams(config, Layout(config), ["rank-000000"], node_id="node-a", final=True)
+    assert rep.exit_code == 0 and rep.streams[0].batches == 1, rep.to_json()
+    assert threads == [sync_mod.MAX_ZSTD_WORKERS]
+    assert replay(staging_env) == {"trace.jsonl": lines, "t.bin": (d / "t.bin").read_bytes()}
+
+
+def test_the_node_stream_compresses_inline_and_leaves_the_workers_to_the_rank_stream(
+        staging_env: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The per-rank wrapper's ``--rank R --node`` on 2 CPUs: two builders, but the node stream is
+    metadata, so rank R's batch gets the zstd workers of a one-stream sync."""
+    written = _fill(staging_env, 1)
+    config = StagingConfig.from_env(staging_env)
+    layout = Layout(config)
+    node = layout.node_dir("node-a")
+    node.mkdir(parents=True)
+    write_file_atomic(node / "attempts.json", b'{"version": 1}')
+    seen: dict[str, int] = {}
+    real = sync_mod._sync_one
+
+    def spy(config: Any, layout: Any, sr: Any, final: bool, node_id: str, tb: Any, say: Any, zstd_threads: int,
+            uploading: Any) -> Any:
+        seen[sr.stream] = zstd_threads
+        return real(config, layout, sr, final, node_id, tb, say, zstd_threads, uploading)
+
+    monkeypatch.setattr(sync_mod, "_sync_one", spy)
+    monkeypatch.setattr(sync_mod, "usable_cpus", lambda: 2)
+    monkeypatch.setattr(sync_mod, "busy_cpus", lambda: 0.5)
+    rep = sync_streams(config, layout, ["rank-000000", "node-node-a"], node_id="node-a", final=True,
+                       processes=False)
+    assert rep.exit_code == 0, rep.to_json()
+    assert seen == {"rank-000000": 2, "node-node-a": 0}
+    assert replay(staging_env) == written[0]

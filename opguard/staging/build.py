@@ -42,7 +42,7 @@ class BatchSource:
     rank: int | None
     node_id: str
     state_dir: Path  # STATE/streams/<stream>
-    zstd_threads: int = ZSTD_THREADS  # 0 when several streams build in parallel (sync.stream_workers)
+    zstd_threads: int = ZSTD_THREADS  # zstd workers (sync.zstd_workers); 0: compress inline
 
 
 SMALL_FILE = 1 << 20  # read whole in one os.read and handed to the compressor as one buffer

@@ -28,7 +28,8 @@ HEADER = struct.Struct("<8sII")
 FOOTER = struct.Struct("<QQ32s8s")
 CHUNK = 1 << 20
 ZSTD_LEVEL = 3
-ZSTD_THREADS = 1  # one zstd worker: see BatchWriter.__init__
+ZSTD_THREADS = 0  # BatchWriter's default: inline (a sync passes sync.zstd_workers(...))
+ZSTD_JOB_SIZE = 2 << 20  # input per zstd job when threads > 0 (bounds what the workers buffer)
 
 
 def batch_name(sequence: int, digest: str) -> str:
@@ -85,13 +86,15 @@ class BatchWriter:
             raise BatchWriteError(path, e) from None
         self._out = _HashingWriter(self._f)
         self._out.write(HEADER.pack(HEADER_MAGIC, FORMAT_VERSION, HEADER.size))
-        # ZSTD_THREADS=1: one zstd worker compresses while this thread reads and hashes the sources
-        # (bench/staging_zstd_threads.py, load ~2: (a) 3.8-4.6 s vs 4.6-4.7 s at 0; (e) peak RSS
-        # 90.7 MiB vs 29.1 MiB, under the 128 MiB goal). One worker, not one per core: -1 buffered a
-        # job per core and passed 128 MiB on 2 cores (more on bigger nodes, next to the training
-        # ranks). The frame format is the same either way; output is written from this thread.
-        # threads=0 when several streams build in parallel (each builder thread compresses inline).
-        cctx = zstandard.ZstdCompressor(level=ZSTD_LEVEL, write_checksum=True, threads=threads)
+        # threads > 0: that many zstd workers compress jobs of ZSTD_JOB_SIZE input while this thread
+        # reads and hashes the sources and writes what they produced (sync.zstd_workers picks the count
+        # from the CPUs the stream builders leave). The job size bounds what they buffer: the default
+        # (8 MiB at level 3) took 44 MiB for one worker, and -1 (one per core) passed 128 MiB on 2 cores.
+        # One frame either way (format.md §7); output differs from threads=0 only in how it was cut
+        # into blocks. threads=0: inline, in this thread.
+        params = zstandard.ZstdCompressionParameters.from_level(
+            ZSTD_LEVEL, threads=threads, job_size=ZSTD_JOB_SIZE if threads > 0 else 0, write_checksum=True)
+        cctx = zstandard.ZstdCompressor(compression_params=params)
         self._z = cctx.stream_writer(self._out, closefd=False, write_return_read=True)  # type: ignore[arg-type]
         self.payload_size = 0
 

@@ -9,6 +9,7 @@ everything visible at its start and seals the stream (``final``).
 from __future__ import annotations
 
 import errno
+import math
 import os
 import re
 import threading
@@ -24,7 +25,7 @@ import filelock
 from opguard.errors import ConfigError, IdentityError, LockTimeout, OpguardError, PublishError
 from opguard.staging import crashpoints, forkpool
 from opguard.staging.build import BatchSource, Torn, build_batch
-from opguard.staging.bundle import ZSTD_THREADS, BatchWriteError, read_manifest
+from opguard.staging.bundle import BatchWriteError, read_manifest
 from opguard.staging.checkpoint import Checkpoint, Pending, save_checkpoint
 from opguard.staging.config import StagingConfig
 from opguard.staging.fsutil import create_exclusive, dump_json, fsync_dir, read_json_nofollow
@@ -147,7 +148,7 @@ class _Ctx:
     progress: Progress
     report: StreamReport
     uploading: Any  # the sync's own uploads take turns on this (then on the node upload lock)
-    zstd_threads: int = ZSTD_THREADS
+    zstd_threads: int = 0
     skipped_changed: bool = False
 
     @property
@@ -418,16 +419,52 @@ def _payload_of(ctx: _Ctx, pending: Pending) -> int:
         return 0
 
 
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity mask: a Slurm step's allocation), at least 1."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
 def stream_workers(streams: int) -> int:
     """How many streams one sync builds at once: one per CPU this process may run on, at most
     MAX_STREAM_WORKERS (each builder holds a compression context and its read buffers: peak RSS of
     one sync of 8 x 5,000 files of 16 KiB was 53 MiB at 2 workers, 76 MiB at 4, 73 MiB at 1 with a zstd
     worker thread), never more than there are streams. Uploads stay one at a time per node (the upload lock)."""
+    return max(1, min(streams, usable_cpus(), MAX_STREAM_WORKERS))
+
+
+MAX_ZSTD_WORKERS = 4
+
+
+def busy_cpus() -> float:
+    """How many CPUs the machine's processes kept busy lately: the 1-minute load average (0 if unknown)."""
     try:
-        cpus = len(os.sched_getaffinity(0))
+        return os.getloadavg()[0]
     except (AttributeError, OSError):
-        cpus = os.cpu_count() or 1
-    return max(1, min(streams, cpus, MAX_STREAM_WORKERS))
+        return 0.0
+
+
+def zstd_workers(builders: int) -> int:
+    """zstd worker threads per batch when ``builders`` streams build at once (``docs/protocol.md``).
+
+    Workers only pay where they find idle CPUs: they cost CPU of their own (handing jobs over,
+    copying the input into job buffers; a one-stream sync of 196 MiB: 2.27 s CPU with 2 workers vs
+    2.01 s inline, docs/benchmarks.md staging run 9), and on busy CPUs the ratio to ``tar | zstd``
+    follows CPU seconds. So 0 (each builder compresses inline) when the builders have no CPU beyond
+    one each, or when the CPUs left idle lately (usable CPUs minus the 1-minute load average) are
+    not more than the builders. Otherwise the idle CPUs, shared out, and at most MAX_ZSTD_WORKERS in
+    all: ``min(ceil(idle) // builders, cpus // builders, MAX_ZSTD_WORKERS // builders)``. Each worker
+    buffers a few jobs of ``bundle.ZSTD_JOB_SIZE``: peak RSS of a one-stream sync is under the 128 MiB
+    goal at MAX_ZSTD_WORKERS (staging run 9).
+    """
+    builders = max(1, builders)
+    cpus = usable_cpus()
+    idle = cpus - busy_cpus()
+    if builders >= cpus or idle <= builders:
+        return 0
+    return max(1, min(math.ceil(idle) // builders, cpus // builders, MAX_ZSTD_WORKERS // builders))
 
 
 def _sync_one(config: StagingConfig, layout: Layout, sr: StreamReport, final: bool, node_id: str, tb: Bucket,
@@ -513,7 +550,10 @@ def sync_streams(config: StagingConfig, layout: Layout, streams: Sequence[str], 
     tb: Bucket = bucket if bucket is not None else TokenBucket(config.rate_bytes_per_s)
     report.streams = [StreamReport(stream) for stream in streams]
     n = stream_workers(len(streams)) if workers is None else max(1, min(workers, len(streams)))
-    zthreads = ZSTD_THREADS if n == 1 else 0
+    # the node stream is the node's metadata (small): it compresses inline and leaves the CPUs to the
+    # rank streams (the per-rank wrapper's `--rank R --node` is one big stream, not two)
+    ranks = sum(1 for st in streams if _RANK_STREAM.match(st))
+    zthreads = zstd_workers(min(n, ranks)) if ranks else 0
     own = tb if isinstance(tb, TokenBucket | Unlimited) else None  # one the workers can share
     forked = n > 1 and processes is not False and forkpool.available() and own is not None
     mutex: forkpool.ProcessMutex | None = None
@@ -532,7 +572,8 @@ def sync_streams(config: StagingConfig, layout: Layout, streams: Sequence[str], 
     uploading: Any = mutex if mutex is not None else threading.Lock()
 
     def one(sr: StreamReport) -> StreamReport:
-        return _sync_one(config, layout, sr, final, node_id, tb, say, zthreads, uploading)
+        return _sync_one(config, layout, sr, final, node_id, tb, say,
+                         zthreads if _RANK_STREAM.match(sr.stream) else 0, uploading)
 
     try:
         if n == 1:
