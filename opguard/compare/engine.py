@@ -250,6 +250,7 @@ class _Chunk:
     inherited: int = 0
     uninitialized: int = 0
     last_unresolved: str | None = None
+    first_unresolved: str | None = None
     shown: list[dict[str, Any]] = field(default_factory=list)
     slices: int = 0
     flows: int = 0
@@ -458,6 +459,8 @@ def _run_rows(job: _Job, r0: int, r1: int, writer: ExportWriter) -> _Chunk:
         out.unresolved += 1
         loc = f"{site.file or '?'}:{site.line if site.line is not None else '?'}"
         out.last_unresolved = f"run {side.run} {site.function} at {loc} ({side.rid(k).decode()}, {reason})"
+        if out.first_unresolved is None:
+            out.first_unresolved = out.last_unresolved
         if pairs_out is not None:
             pairs_out.write(json.dumps({**head, "row": row, "status": UNALIGNED, "reason": reason,
                                         side.run.lower(): _op_json(side, x, k)}) + "\n")
@@ -581,6 +584,7 @@ def _compare_stream(writer: ExportWriter, sa: Stream, sb: Stream, tracks: tuple[
         shown.extend(c.shown)
         unresolved += c.unresolved
         last_unresolved = c.last_unresolved or last_unresolved
+        summ.first_unresolved = summ.first_unresolved or c.first_unresolved
     return n
 
 

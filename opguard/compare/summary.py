@@ -70,6 +70,7 @@ class StreamSummary:
     introduced: int = 0
     inherited: int = 0
     uninitialized: int = 0      # entries marked uninitialized whose content differs (never compared)
+    first_unresolved: str | None = None  # the first operation (in row order) that could not be paired
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -86,7 +87,7 @@ class StreamSummary:
                 "uninitialized_not_compared": self.uninitialized,
                 "first_divergence": self.first_divergence.as_json() if self.first_divergence else None,
                 "first_mismatch": self.first_mismatch.as_json() if self.first_mismatch else None,
-                "notes": list(self.notes)}
+                "first_unresolved": self.first_unresolved, "notes": list(self.notes)}
 
 
 @dataclass
@@ -148,6 +149,10 @@ class Summary:
                     lines.append(f"    the last unresolved operation before it: {fm.nearest_unresolved}")
                 if fm.unresolved_before:
                     lines.append(f"    {CAVEAT} ({fm.unresolved_before} unresolved before it)")
+            elif s.pairs and s.status["unaligned"]:
+                # never "no divergence" while operations went unpaired: the runs may differ exactly there
+                lines.append(f"  no divergence among the {s.pairs} pairs, but {s.status['unaligned']} operations "
+                             f"could not be paired, so the runs may differ there; the first: {s.first_unresolved}")
             elif s.pairs:
                 lines.append("  no divergence: every pair's compared fields agree")
             if s.status["mismatch"]:

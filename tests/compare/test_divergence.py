@@ -169,3 +169,23 @@ def test_a_run_without_records_is_named(tmp_path: Path) -> None:
     assert p.returncode == 2
     assert "nothing was paired: run B recorded no operations" in p.stderr
     assert "every operation is undetermined" not in p.stderr
+
+
+def test_unpaired_operations_are_never_reported_as_no_divergence(tmp_path: Path) -> None:
+    """B calls another function on the gelu's line (F.gelu -> F.silu): the pairs agree, but the ops
+    in the changed segment stay unpaired; the summary names the first of them instead of claiming
+    'no divergence' (it did before: every pair agreed)."""
+    a_recs = _gpt_like("a", empty_digest=D("same"))
+    b_recs = _gpt_like("b", empty_digest=D("same"))
+    for r in b_recs:
+        if r["fn"] == "torch.nn.functional.gelu":
+            r["fn"] = "torch.nn.functional.silu"
+            r["outputs"][0]["digest"] = D("silu", r["step"])
+    a = _write(tmp_path, "a", a_recs)
+    b = _write(tmp_path, "b", b_recs)
+    p = run_compare(a, b, tmp_path / "v.pftrace")
+    err = p.stderr
+    assert "no divergence: every pair" not in err, err
+    assert "operations could not be paired, so the runs may differ there; the first: run " in err, err
+    first = err.split("the first: ", 1)[1].splitlines()[0]
+    assert "torch.nn.functional.gelu" in first or "torch.nn.functional.silu" in first, first
