@@ -91,10 +91,7 @@ def _wrap(session: Session, name: str, orig: Callable[..., Any]) -> Callable[...
                 s.outputs(call, [st for p in written for st in tensors_in(arguments.get(p), p)], fresh=True)
         except Exception as err:
             s.failed("recording", err, call)
-        try:
-            s.maybe_flush()
-        except Exception as err:
-            s.failed("writing", err)
+        s.maybe_flush_contained()
         return result
 
     return wrapper

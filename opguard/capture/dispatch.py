@@ -99,8 +99,5 @@ class AtenMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
                 s.outputs(call, list(tensors_in(result, "out")), uninitialized=name in records.UNINITIALIZED_FNS)
         except Exception as err:
             s.failed("recording", err, call)
-        try:
-            s.maybe_flush()
-        except Exception as err:
-            s.failed("writing", err)
+        s.maybe_flush_contained()
         return result

@@ -203,9 +203,6 @@ class CaptureMode(TorchFunctionMode):
                     self.on_output(call, outs)
         except Exception as err:
             s.failed("recording", err, call)
-        try:
-            s.maybe_flush()
-        except Exception as err:
-            s.failed("writing", err)
+        s.maybe_flush_contained()
         return result
 

@@ -507,6 +507,14 @@ class Session:
         if len(self.pending) >= self.options.buffer and not self.parents:
             self.flush()
 
+    def maybe_flush_contained(self) -> None:
+        """:meth:`maybe_flush` at the end of an intercepted call: a failure is capture's own (said
+        once per kind, the records counted as dropped), never the program's."""
+        try:
+            self.maybe_flush()
+        except Exception as err:
+            self.failed("writing", err)
+
     def dump(self, seq: int, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         for slot, t in tensors:
             if records.plain_data_reason(t) is not None:

@@ -20,7 +20,7 @@ from typing import Any
 
 from opguard.errors import ConfigError, OpguardError
 from opguard.staging.checkpoint import load_checkpoint
-from opguard.staging.config import StagingConfig
+from opguard.staging.config import StagingConfig, env_bool
 from opguard.staging.fsutil import atomic_replace_bytes
 from opguard.staging.layout import BUNDLES_DIRNAME, Layout
 
@@ -31,8 +31,6 @@ ATTEMPTS_VERSION = 1
 MAX_ATTEMPTS = 1024
 ATTEMPTS_MAX_BYTES = 512 * MAX_ATTEMPTS
 RESUME_VAR = "OPGUARD_RESUME"
-_TRUE = {"1", "true", "yes", "on"}
-_FALSE = {"0", "false", "no", "off", ""}
 # why an attempt was allowed to start (the "how" field)
 FIRST, UNSEALED, RESUME_FLAG, RESUME_ENV, REQUEUE = ("first", "unsealed", "resume-flag", "resume-env",
                                                      "slurm-requeue")
@@ -53,15 +51,7 @@ def _utc(t: float | None) -> str:
 
 
 def resume_requested(env: Mapping[str, str]) -> bool:
-    raw = env.get(RESUME_VAR)
-    if raw is None:
-        return False
-    value = raw.strip().lower()
-    if value in _TRUE:
-        return True
-    if value in _FALSE:
-        return False
-    raise ConfigError(f"{RESUME_VAR}={raw!r} is not a boolean", f"set {RESUME_VAR} to 1 (continue a sealed run) or 0")
+    return env_bool(env, RESUME_VAR, False, f"set {RESUME_VAR} to 1 (continue a sealed run) or 0")
 
 
 def sealed_streams(config: StagingConfig, layout: Layout) -> list[SealedStream]:

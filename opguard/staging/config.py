@@ -28,7 +28,8 @@ DEFAULT_LOCK_TIMEOUT = 60.0
 SYNC_WORKER_KINDS = ("auto", "processes", "threads")  # OPGUARD_SYNC_WORKERS (docs/protocol.md)
 
 
-def _bool(env: Mapping[str, str], name: str, default: bool) -> bool:
+def env_bool(env: Mapping[str, str], name: str, default: bool, fix: str | None = None) -> bool:
+    """A boolean variable: 1/true/yes/on or 0/false/no/off/empty (any case); ConfigError otherwise."""
     raw = env.get(name)
     if raw is None:
         return default
@@ -37,7 +38,7 @@ def _bool(env: Mapping[str, str], name: str, default: bool) -> bool:
         return True
     if value in _FALSE:
         return False
-    raise ConfigError(f"{name}={raw!r} is not a boolean", f"set {name} to 1 or 0")
+    raise ConfigError(f"{name}={raw!r} is not a boolean", fix or f"set {name} to 1 or 0")
 
 
 def _path(env: Mapping[str, str], name: str, required: bool, why: str = "") -> Path | None:
@@ -124,7 +125,7 @@ class StagingConfig:
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> StagingConfig:
         env = os.environ if env is None else env
-        enabled = _bool(env, "OPGUARD_LOCAL_DUMP_ENABLED", False)
+        enabled = env_bool(env, "OPGUARD_LOCAL_DUMP_ENABLED", False)
         why = " but OPGUARD_LOCAL_DUMP_ENABLED=1 needs it"
         output_base = _path(env, "OPGUARD_TRACE_OUTPUT_BASE", False)
         target = _path(env, "OPGUARD_LOCAL_DUMP_TARGET", enabled, why)
