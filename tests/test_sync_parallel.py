@@ -177,6 +177,26 @@ def test_zstd_workers_compress_inline_when_the_cpus_are_busy(monkeypatch: pytest
     assert sync_mod.zstd_workers(builders) == expected
 
 
+@pytest.mark.parametrize(("load", "field", "expected"),
+                         [(3.0, "1/310", 0.0), (3.0, "3/310", 2.0), (0.5, "6/310", 0.5), (1.4, "2/310", 1.0)])
+def test_busy_cpus_is_the_smaller_of_the_load_average_and_the_threads_runnable_now(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, load: float, field: str, expected: float) -> None:
+    """A load average still high from the last minute's work does not hide CPUs that are idle now
+    (the reading thread itself is one of the runnable threads)."""
+    fake = tmp_path / "loadavg"
+    fake.write_text(f"{load:.2f} 1.00 1.00 {field} 12345\n")
+    monkeypatch.setattr(sync_mod.os, "getloadavg", lambda: (load, 1.0, 1.0))
+    assert sync_mod.busy_cpus(str(fake)) == expected
+
+
+def test_busy_cpus_falls_back_to_the_load_average_without_a_runnable_count(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sync_mod.os, "getloadavg", lambda: (2.5, 1.0, 1.0))
+    assert sync_mod.busy_cpus(str(tmp_path / "missing")) == 2.5
+    (tmp_path / "odd").write_text("2.50 1.00\n")
+    assert sync_mod.busy_cpus(str(tmp_path / "odd")) == 2.5
+
+
 def test_one_stream_compresses_with_zstd_workers_and_restores_the_same_bytes(
         staging_env: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> None:
     """A single stream with CPUs to spare: the batch is compressed by zstd worker threads in jobs of

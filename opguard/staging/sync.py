@@ -438,12 +438,33 @@ def stream_workers(streams: int) -> int:
 MAX_ZSTD_WORKERS = 4
 
 
-def busy_cpus() -> float:
-    """How many CPUs the machine's processes kept busy lately: the 1-minute load average (0 if unknown)."""
+LOADAVG = "/proc/loadavg"
+RUNNABLE_SAMPLES = 5  # reads of the runnable-thread count, 1 ms apart: their median
+
+
+def busy_cpus(loadavg: str = LOADAVG) -> float:
+    """How many CPUs other processes keep busy: the smaller of the 1-minute load average and the
+    threads runnable right now besides this one (the median of RUNNABLE_SAMPLES reads of
+    ``/proc/loadavg``'s fourth field, ``running/total``). The load average alone lags by a minute:
+    right after a busy minute (the previous sync of a periodic drain, the job's own start) it still
+    reports CPUs busy that are idle now, and a one-stream sync then compressed inline at ~1.6x of
+    ``tar | zstd`` where two workers gave ~1.2x (docs/benchmarks.md staging run 10). Under sustained
+    load both figures are high. 0 if neither can be read (not Linux)."""
     try:
-        return os.getloadavg()[0]
+        load = os.getloadavg()[0]
     except (AttributeError, OSError):
-        return 0.0
+        load = 0.0
+    counts: list[int] = []
+    for i in range(RUNNABLE_SAMPLES):
+        try:
+            with open(loadavg, "rb") as f:
+                counts.append(int(f.read().split()[3].split(b"/")[0]))
+        except (OSError, ValueError, IndexError):
+            return load
+        if i + 1 < RUNNABLE_SAMPLES:
+            time.sleep(0.001)
+    others = max(0, sorted(counts)[len(counts) // 2] - 1)  # the reading thread is running
+    return min(load, float(others))
 
 
 def zstd_workers(builders: int) -> int:
@@ -453,8 +474,8 @@ def zstd_workers(builders: int) -> int:
     copying the input into job buffers; a one-stream sync of 196 MiB: 2.27 s CPU with 2 workers vs
     2.01 s inline, docs/benchmarks.md staging run 9), and on busy CPUs the ratio to ``tar | zstd``
     follows CPU seconds. So 0 (each builder compresses inline) when the builders have no CPU beyond
-    one each, or when the CPUs left idle lately (usable CPUs minus the 1-minute load average) are
-    not more than the builders. Otherwise the idle CPUs, shared out, and at most MAX_ZSTD_WORKERS in
+    one each, or when the CPUs left idle (usable CPUs minus ``busy_cpus()``) are not more than the
+    builders. Otherwise the idle CPUs, shared out, and at most MAX_ZSTD_WORKERS in
     all: ``min(ceil(idle) // builders, cpus // builders, MAX_ZSTD_WORKERS // builders)``. Each worker
     buffers a few jobs of ``bundle.ZSTD_JOB_SIZE``: peak RSS of a one-stream sync is under the 128 MiB
     goal at MAX_ZSTD_WORKERS (staging run 9).
