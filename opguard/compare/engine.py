@@ -11,13 +11,11 @@ from __future__ import annotations
 import fnmatch
 import hashlib
 import json
-import multiprocessing
 import os
 import secrets
 from array import array
 from collections import Counter
 from collections.abc import Iterator
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -30,7 +28,8 @@ from opguard.compare.perfetto_export import ROW_NS, ExportWriter
 from opguard.compare.records import Record, Site, Slot
 from opguard.compare.sources import KIND_CAPTURE, Run, Stream, open_run
 from opguard.compare.summary import ARGS_DIFFER, INHERITED, OUTPUTS_DIFFER, FirstMismatch, StreamSummary, Summary
-from opguard.errors import ConfigError
+from opguard.errors import ConfigError, OpguardError
+from opguard.staging import forkpool
 
 EXPORT_KIND = "opguard-compare-v1"
 
@@ -477,6 +476,10 @@ def _pass1_worker(side: str) -> tuple[list[str], _Index]:
     return _index_local(_FORK_STREAMS[side])
 
 
+def _rows_job(job: tuple[int, int, str, int]) -> _Chunk:
+    return _rows_worker(*job)
+
+
 def _rows_worker(r0: int, r1: int, part: str, seq_id: int) -> _Chunk:
     assert _FORK_JOB is not None
     writer = ExportWriter(Path(part), None, seq_id=seq_id, part=True)
@@ -504,8 +507,11 @@ def workers() -> int:
     return max(1, min(MAX_WORKERS, n))
 
 
-def _pool(n: int) -> ProcessPoolExecutor:
-    return ProcessPoolExecutor(max_workers=n, mp_context=multiprocessing.get_context("fork"))
+def _lost(job: object, why: str) -> Any:
+    """A compare worker that died (killed, out of memory) loses the whole comparison: exit 1."""
+    raise OpguardError(f"a compare worker process {why} (job {job!r}); nothing was written to the output",
+                       "run the compare again; if the kernel log shows the OOM killer, compare fewer ranks at "
+                       "once (--rank) or leave the machine more memory")
 
 
 def _pass1(sa: Stream, sb: Stream, intern: dict[str, int], parallel: bool) -> tuple[_Index, _Index]:
@@ -515,8 +521,7 @@ def _pass1(sa: Stream, sb: Stream, intern: dict[str, int], parallel: bool) -> tu
     else:
         _FORK_STREAMS = {"A": sa, "B": sb}
         try:
-            with _pool(2) as pool:
-                res = list(pool.map(_pass1_worker, ["A", "B"]))
+            res = forkpool.run(["A", "B"], 2, _pass1_worker, _lost)
         finally:
             _FORK_STREAMS = {}
     ia, ib = (_globalise(t, i, intern) for t, i in res)
@@ -530,7 +535,7 @@ def _compare_stream(writer: ExportWriter, sa: Stream, sb: Stream, tracks: tuple[
     """Pair and export one stream pair; returns the number of rows (flow ids used)."""
     global _FORK_JOB
     n_workers = workers()
-    big = n_workers > 1 and not opts.serial and sa.kind == sb.kind == KIND_CAPTURE and \
+    big = n_workers > 1 and not opts.serial and forkpool.available() and sa.kind == sb.kind == KIND_CAPTURE and \
         sum(p.stat().st_size for p in (*sa.files, *sb.files)) > PARALLEL_MIN_OPS * 500
     ia, ib = _pass1(sa, sb, intern, big)
     # call-site identities from the line correspondence of each file's two versions (docs/compare.md §2)
@@ -552,10 +557,8 @@ def _compare_stream(writer: ExportWriter, sa: Stream, sb: Stream, tracks: tuple[
                  for k in range(n_workers)]
         _FORK_JOB = job
         try:
-            with _pool(n_workers) as pool:
-                futs = [pool.submit(_rows_worker, bounds[k], bounds[k + 1], str(parts[k]), 2 + k)
-                        for k in range(n_workers)]
-                chunks = [f.result() for f in futs]
+            jobs = [(bounds[k], bounds[k + 1], str(parts[k]), 2 + k) for k in range(n_workers)]
+            chunks = forkpool.run(jobs, n_workers, _rows_job, _lost)
             for part, chunk in zip(parts, chunks, strict=True):
                 writer.append_part(part, chunk.slices, chunk.flows)
         finally:
