@@ -31,7 +31,7 @@ from opguard.compare.summary import ARGS_DIFFER, INHERITED, OUTPUTS_DIFFER, Firs
 from opguard.errors import ConfigError, OpguardError
 from opguard.staging import forkpool
 
-EXPORT_KIND = "opguard-compare-v1"
+EXPORT_KIND = "opguard-compare-v2"
 
 
 def anchor_hash(text: str) -> int:
@@ -302,7 +302,7 @@ class _Side:
 
     def emit(self, ts: int, item: _Item, index: int, rid: bytes, corr: tuple[str, str, str], other: bytes | None,
              d: Diff | None, flow_out: int | None = None, flow_in: int | None = None,
-             slots: bytes | None = None) -> bytes:
+             slots: bytes | None = None, same: bool = False) -> bytes:
         em, st = self.em, self.st
         if not isinstance(item, Record) and d is None:
             sid = self.site_ids[index]
@@ -311,11 +311,11 @@ class _Side:
                 site = self.sites[sid] = em.site_entry(self.site_objs[sid])
             try:
                 return em.capture_op(self.track, ts, self.head, site, index, rid, item[3], st.dumps, corr, other,
-                                     flow_out, flow_in, slots)
+                                     flow_out, flow_in, slots, same)
             except _MALFORMED:
                 pass        # the Record path reports what is wrong with it (or encodes what it accepts)
         return em.op(self.track, ts, self.run, st.name, self.record(item, index), corr, other, d, flow_out, flow_in,
-                     None if not isinstance(item, Record) else slots)
+                     None if not isinstance(item, Record) else slots, same)
 
 
 def _slots_equal(x: _Item, y: _Item, dumps: bool) -> bool:
@@ -395,7 +395,7 @@ def _run_rows(job: _Job, r0: int, r1: int, writer: ExportWriter) -> _Chunk:
                 if corr is None:
                     corr = ok_corr[basis] = ("paired", basis, OK)
                 slots = side_a.emit(ts, xa, i, rid_a, corr, rid_b, None, flow_out=flow)
-                side_b.emit(ts, xb, j, rid_b, corr, rid_a, None, flow_in=flow, slots=slots)
+                side_b.emit(ts, xb, j, rid_b, corr, rid_a, None, flow_in=flow, slots=slots, same=True)
                 if selected:
                     status[OK] += 1
                     basis_count[basis] += 1

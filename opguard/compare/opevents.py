@@ -16,11 +16,13 @@ import struct
 from typing import Any
 
 from opguard.compare.diff import MISMATCH, Diff
-from opguard.compare.perfetto_export import ExportWriter
+from opguard.compare.perfetto_export import ExportWriter, callsite_text
 from opguard.compare.protoenc import N_SMALL as _NU
 from opguard.compare.protoenc import SMALL_VARINTS as _U
 from opguard.compare.protoenc import F, uv, varint
 from opguard.compare.records import Arg, Record, Site, Slot, capture_args, capture_stats
+
+SLOTS, SAME_AS_OTHER = "slots", "same as other"   # docs/compare.md §5: B's slots equal A's in every field
 
 _E = F.E_ANNOTATION
 _DD = F.D_DICT
@@ -52,7 +54,7 @@ class OpEncoder:
         self._slot_heads: dict[tuple[Any, ...], tuple[bytes, bytes]] = {}
         self._str_pre: dict[tuple[str, int], bytes] = {}
         self._dpre: dict[int, bytes] = {}
-        self._ni = self._n("index") + _DI
+        self._same = _frame(self._cs(SLOTS, SAME_AS_OTHER))
         self._nseq = self._n("seq") + _DI
         self._nstep = self._n("step") + _DI
 
@@ -98,14 +100,13 @@ class OpEncoder:
 
     # ---- cached blocks ----
     def head(self, run: str, stream: str, rank: int) -> tuple[bytes, bytes, bytes]:
-        """(record_id prefix, record_id annotation name, framed run/rank/stream annotations) of a stream."""
+        """(record_id prefix, record_id annotation name, b"") of a stream: run, rank, stream and index are
+        not annotations of their own (the record_id and the track imply them; read_export restores them)."""
         key = (run, stream, rank)
         h = self._heads.get(key)
         if h is None:
             h = self._heads[key] = (f"{run}/rank{rank}/{stream}/".encode("utf-8", "surrogatepass"),
-                                    self._n("record_id") + _DS,
-                                    _frame(self._cs("run", run)) + self._int("rank", rank) +
-                                    _frame(self._cs("stream", stream)))
+                                    self._n("record_id") + _DS, b"")
         return h
 
     def _site_block(self, file: str | None, line: int | None, scope: str | None, line_digest: str | None,
@@ -118,7 +119,8 @@ class OpEncoder:
                                   "identity": ident}
             if line_map is not None:
                 cs["line_map"] = line_map
-            b = _frame(self.ann.value("callsite", cs))
+            # one interned string (its JSON text), not a dict of 5-6 entries: ~6 bytes per slice, not ~38
+            b = _frame(self._cs("callsite", callsite_text(cs)))
             if context:
                 b += _frame(self._cs("context", context))
             if collective:
@@ -268,10 +270,10 @@ class OpEncoder:
     def _common(self, run: str, stream: str, rank: int, index: int, seq: Any, step: Any, site_block: bytes,
                 corr: tuple[str, str, str], other: bytes | None, diff: Diff | None) -> tuple[bytes, list[bytes]]:
         """(record_id bytes, framed annotations up to the slots)."""
-        prefix, rid, block = self.head(run, stream, rank)
+        prefix, rid, _ = self.head(run, stream, rank)
         ridb = prefix + b"%d" % index
         a = rid + uv(len(ridb)) + ridb
-        parts = [_E + uv(len(a)) + a, block, self._int("index", index)]
+        parts = [_E + uv(len(a)) + a]
         if seq is not None:
             parts.append(self._int("seq", int(seq)))
         if step is not None:
@@ -298,20 +300,19 @@ class OpEncoder:
     def capture_op(self, track: int, ts: int, head: tuple[bytes, bytes, bytes], site: tuple[bytes, bytes],
                    index: int, ridb: bytes, obj: dict[str, Any], dumps: dict[int, dict[str, str]],
                    corr: tuple[str, str, str], other: bytes | None, flow_out: int | None = None,
-                   flow_in: int | None = None, slots: bytes | None = None) -> bytes:
+                   flow_in: int | None = None, slots: bytes | None = None, same: bool = False) -> bytes:
         """Emit the slice of a capture ``op`` record (no diff: ``ok`` or unresolved) straight from its
         JSON object. ``head``: :meth:`head` of its stream; ``site``: :meth:`site_entry` of its call
         site (as pass 1 found it for this record); ``ridb``: its :meth:`record_id`. Returns the
         encoded slot annotations, which the caller may pass back as ``slots`` for a record whose
-        slots are equal in every field. Raises KeyError/TypeError/ValueError/AttributeError on a
-        record it does not take (the caller then takes the :class:`Record` path, which reports what
-        is wrong with it)."""
+        slots are equal in every field; ``same``: write ``slots: same as other`` instead of them (B's
+        slice of an ``ok`` pair whose recorded slots equal A's in every field). Raises KeyError/
+        TypeError/ValueError/AttributeError on a record it does not take (the caller then takes the
+        :class:`Record` path, which reports what is wrong with it)."""
         if obj["rank"].__class__ is not int:
             raise TypeError("rank")
         a = head[1] + uv(len(ridb)) + ridb
-        v = varint(index)
-        ni = self._ni
-        parts = [_E + uv(len(a)) + a, head[2], _E + _U[len(ni) + len(v)] + ni + v]     # _U: lengths < 2**14
+        parts = [_E + uv(len(a)) + a]
         seq: Any = obj.get("seq")
         if seq is not None:
             v = varint(int(seq))
@@ -332,13 +333,13 @@ class OpEncoder:
         raw_args = obj.get("args")
         if raw_args:
             parts.append(self._args(capture_args(raw_args)))
-        parts.append(slots)
+        parts.append(self._same if same else slots)
         self.w.slice_named(track, ts, site[1], b"".join(parts), flow_out, flow_in)
         return slots
 
     def op(self, track: int, ts: int, run: str, stream: str, rec: Record, corr: tuple[str, str, str],
            other: bytes | None, diff: Diff | None, flow_out: int | None = None, flow_in: int | None = None,
-           slots: bytes | None = None) -> bytes:
+           slots: bytes | None = None, same: bool = False) -> bytes:
         """Emit the slice of a :class:`Record`; returns (and takes) slots as :meth:`capture_op` does."""
         block = self._site_block(rec.file, rec.line, rec.scope, rec.line_digest, rec.site, rec.context,
                                  rec.collective, rec.line_map)
@@ -350,7 +351,7 @@ class OpEncoder:
                 (_frame(self._dict("outputs", outs)) if outs else b"")
         if rec.args:
             parts.append(self._args(rec.args))
-        parts.append(slots)
+        parts.append(self._same if same else slots)
         name = self._fnames.get(rec.function)
         if name is None:
             name = self._fnames[rec.function] = self.ann.event_name(rec.function)

@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import json
 import os
+import re
 import secrets
 import shutil
 import struct
@@ -262,4 +264,46 @@ def read_export(path: Path) -> Export:
     if "opguard.export" not in attributes:
         raise ConfigError(f"{path} is a Perfetto trace but not an opguard compare export",
                           "pass a file written by `opguard compare -o`")
+    restore_implied(ops)
     return Export(attributes, tracks, ops)
+
+
+def callsite_text(cs: dict[str, Any]) -> str:
+    """The ``callsite`` annotation's value: the JSON text of its dict (entries that are None left out)."""
+    return json.dumps({k: v for k, v in cs.items() if v is not None}, separators=(",", ":"))
+
+
+IMPLIED = ("run", "rank", "stream", "index")      # derived from record_id, not written (docs/compare.md §5)
+_RECORD_ID = re.compile(r"([^/]+)/rank(-?\d+)/(.+)/(\d+)")
+
+
+def restore_implied(ops: list[ExportedOp]) -> None:
+    """What the export leaves implied, made explicit in each op's args (docs/compare.md §5): the
+    ``callsite`` dict from its JSON text, ``run``,
+    ``rank``, ``stream`` and ``index`` from the record_id, and the ``inputs``/``outputs`` of a slice
+    marked ``slots: same as other`` copied from the slice its ``correspondence.other`` names."""
+    by_id: dict[str, ExportedOp] = {}
+    for op in ops:
+        cs = op.args.get("callsite")
+        if isinstance(cs, str) and cs.startswith("{"):
+            op.args["callsite"] = json.loads(cs)
+        rid = op.args.get("record_id")
+        if isinstance(rid, str):
+            by_id[rid] = op
+            m = _RECORD_ID.fullmatch(rid)
+            if m and "run" not in op.args:
+                rest = {k: v for k, v in op.args.items() if k != "record_id"}
+                op.args.clear()
+                op.args.update(record_id=rid, run=m[1], rank=int(m[2]), stream=m[3], index=int(m[4]), **rest)
+    for op in ops:
+        if op.args.get("slots") != "same as other":
+            continue
+        corr = op.args.get("correspondence")
+        other = by_id.get(corr.get("other", "")) if isinstance(corr, dict) else None
+        if other is None:
+            raise ConfigError(f"slice {op.record_id} says its slots are those of the other run's slice, but "
+                              "that slice is not in the export", "pass an export written whole by opguard compare")
+        del op.args["slots"]
+        for k in ("inputs", "outputs"):
+            if k in other.args:
+                op.args[k] = other.args[k]
