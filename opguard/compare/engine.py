@@ -23,11 +23,19 @@ from typing import IO, Any
 from opguard.compare.diff import MISMATCH, OK, UNALIGNED, Diff, diff_pair
 from opguard.compare.linemap import assign_identities
 from opguard.compare.opevents import OpEncoder
-from opguard.compare.pairing import NO_ANCHOR, NO_CORRESPONDING_FILE, Pairing, pair_streams
+from opguard.compare.pairing import FUNCTION_DIFFERS, NO_ANCHOR, NO_CORRESPONDING_FILE, Pairing, pair_streams
 from opguard.compare.perfetto_export import ROW_NS, ExportWriter
 from opguard.compare.records import Record, Site, Slot
 from opguard.compare.sources import KIND_CAPTURE, Run, Stream, open_run
-from opguard.compare.summary import ARGS_DIFFER, INHERITED, OUTPUTS_DIFFER, FirstMismatch, StreamSummary, Summary
+from opguard.compare.summary import (
+    ARGS_DIFFER,
+    FUNCTION_DIFFERS_KIND,
+    INHERITED,
+    OUTPUTS_DIFFER,
+    FirstMismatch,
+    StreamSummary,
+    Summary,
+)
 from opguard.errors import ConfigError, OpguardError
 from opguard.staging import forkpool
 
@@ -52,6 +60,16 @@ class _Index:
     notes: list[str]
     site_ids: array[int] = field(default_factory=lambda: array("q"))   # capture: each operation's call site
     sites: list[Site] = field(default_factory=list)
+    inputs: array[int] = field(default_factory=lambda: array("Q"))   # captured-input key without the function
+
+
+_MASK = (1 << 64) - 1
+
+
+def inputs_key(text: str) -> int:
+    """The key of an operation's captured inputs without its function (docs/compare.md §2 rule 5):
+    a 64-bit hash, consistent within this process and the workers it forks (never stored)."""
+    return (hash(text) & _MASK) or 1
 
 
 def _intern(intern: dict[str, int], k: str) -> int:
@@ -73,12 +91,15 @@ def _index_local(stream: Stream) -> tuple[list[str], _Index]:
     if stream.kind == KIND_CAPTURE:
         site_ids = array("q")
         sites: list[Site] = []
-        all_digests = _index_capture(stream, intern, keys, line_keys, anchors, coll, files, offsets, site_ids, sites)
+        inputs = array("Q")
+        all_digests = _index_capture(stream, intern, keys, line_keys, anchors, coll, files, offsets, site_ids, sites,
+                                     inputs)
         return _table(intern), _Index(keys, line_keys, anchors, coll, all_digests, files, offsets, stream.dumps,
-                                      stream.notes, site_ids, sites)
+                                      stream.notes, site_ids, sites, inputs)
     all_digests = True
     ref_ids = array("q")
     ref_sites: list[Site] = []
+    ref_inputs = array("Q")
     seen: dict[tuple[Any, ...], int] = {}
     for rec in stream.reference_records():
         raw = (rec.function, rec.file, rec.line, rec.context, rec.collective, rec.line_digest)
@@ -92,13 +113,14 @@ def _index_local(stream: Stream) -> tuple[list[str], _Index]:
         all_digests = all_digests and rec.line_digest is not None
         text = rec.anchor_text()
         anchors.append(anchor_hash(text) if text and not rec.collective else NO_ANCHOR)
+        ref_inputs.append(inputs_key(text.split("\x00", 1)[1]) if text else NO_ANCHOR)
         if rec.collective:
             coll.append(len(keys) - 1)
         files.append(0)
         offsets.append(0)
         ref_ids.append(sid)
     return _table(intern), _Index(keys, line_keys, anchors, coll, all_digests, files, offsets, stream.dumps,
-                                  stream.notes, ref_ids, ref_sites)
+                                  stream.notes, ref_ids, ref_sites, ref_inputs)
 
 
 def _table(intern: dict[str, int]) -> list[str]:
@@ -113,7 +135,7 @@ _NO_SLOT = object()
 
 def _index_capture(stream: Stream, intern: dict[str, int], keys: array[int], line_keys: array[int],
                    anchors: array[int], coll: list[int], files: array[int], offsets: array[int],
-                   site_ids: array[int], site_list: list[Site]) -> bool:
+                   site_ids: array[int], site_list: list[Site], inputs: array[int]) -> bool:
     """Pass 1 over a capture stream (Stream.index_fields, inlined for speed: the same keys and
     anchors, and each operation's call site for pass 2); returns whether every record has a
     source-line digest."""
@@ -130,7 +152,7 @@ def _index_capture(stream: Stream, intern: dict[str, int], keys: array[int], lin
                                     site.line_digest is not None, site.function, len(site_list))
                 site_list.append(site)
             kid, lkid, collective, has_digest, function, sid = ent
-            anchor = NO_ANCHOR
+            anchor = inp = NO_ANCHOR
             ins = obj.get("inputs")
             if ins:
                 parts = [function]
@@ -139,8 +161,11 @@ def _index_capture(stream: Stream, intern: dict[str, int], keys: array[int], lin
                     if d:
                         name = s.get("slot", _NO_SLOT)
                         parts.append(f"{f'in{k}' if name is _NO_SLOT else name}={d}")
-                if len(parts) > 1 and not collective:
-                    anchor = anchor_hash("\x00".join(parts))
+                if len(parts) > 1:
+                    text = "\x00".join(parts)
+                    inp = inputs_key(text[len(function) + 1:])
+                    if not collective:
+                        anchor = anchor_hash(text)
         except _MALFORMED as e:
             raise ConfigError(f"{stream.where(fi, n, off)}: not an opguard capture op record "
                               f"({type(e).__name__}: {e})",
@@ -148,6 +173,7 @@ def _index_capture(stream: Stream, intern: dict[str, int], keys: array[int], lin
         keys.append(kid)
         line_keys.append(lkid)
         anchors.append(anchor)
+        inputs.append(inp)
         if collective:
             coll.append(len(keys) - 1)
         if not has_digest:
@@ -389,8 +415,8 @@ def _run_rows(job: _Job, r0: int, r1: int, writer: ExportWriter) -> _Chunk:
             flow = job.flow_base + row + 1
             selected = sel is None or sel.op(side_a.site_objs[side_a.site_ids[i]].function, _step(xa)) or \
                 sel.op(side_b.site_objs[side_b.site_ids[j]].function, _step(xb))
-            if _slots_equal(xa, xb, dumps) and (not show or (rid_a.decode() not in show and
-                                                          rid_b.decode() not in show)):
+            if basis != FUNCTION_DIFFERS and _slots_equal(xa, xb, dumps) and \
+                    (not show or (rid_a.decode() not in show and rid_b.decode() not in show)):
                 corr = ok_corr.get(basis)
                 if corr is None:
                     corr = ok_corr[basis] = ("paired", basis, OK)
@@ -414,7 +440,7 @@ def _run_rows(job: _Job, r0: int, r1: int, writer: ExportWriter) -> _Chunk:
                                   "a": _evidence(side_a, ra), "b": _evidence(side_b, rb),
                                   "diff": None if d.status != MISMATCH else
                                   {"fields": d.fields, "args": d.args, "inputs_equal": d.inputs_equal,
-                                   "introduced": d.introduced, "numeric": d.numeric},
+                                   "introduced": d.introduced, "numeric": d.numeric, "function": d.function},
                                   "uninitialized_not_compared": d.uninitialized})
             if not selected:
                 continue
@@ -426,15 +452,18 @@ def _run_rows(job: _Job, r0: int, r1: int, writer: ExportWriter) -> _Chunk:
                                         "a": _op_json(side_a, xa, i), "b": _op_json(side_b, xb, j)}
                 if d.status == MISMATCH:
                     line.update(differs=d.fields, args=d.args, introduced=d.introduced, numeric=d.numeric)
+                    if d.function:
+                        line["function"] = d.function
                 if d.uninitialized:
                     line["uninitialized_not_compared"] = d.uninitialized
                 pairs_out.write(json.dumps(line) + "\n")
             if d.status == MISMATCH:
-                kind = ARGS_DIFFER if d.args else OUTPUTS_DIFFER if d.inputs_equal else INHERITED
+                kind = (FUNCTION_DIFFERS_KIND if d.function and d.inputs_equal else ARGS_DIFFER if d.args else
+                        OUTPUTS_DIFFER if d.inputs_equal else INHERITED)
                 fm = FirstMismatch(rid_a.decode("utf-8", "surrogatepass"), rid_b.decode("utf-8", "surrogatepass"),
                                    ra.function, _where(ra), d.fields, d.numeric, out.unresolved,
                                    _module(ra.context), ra.step, d.args, kind, _where(rb), out.last_unresolved,
-                                   rb.line_map)
+                                   rb.line_map, rb.function if d.function else None)
                 if out.first_mismatch is None:
                     out.first_mismatch = fm
                 if d.introduced:
@@ -545,7 +574,14 @@ def _compare_stream(writer: ExportWriter, sa: Stream, sb: Stream, tracks: tuple[
         site_keys = [_intern(intern, s.key) for s in idx.sites]
         idx.keys = array("q", [site_keys[s] for s in idx.site_ids])
     _collective_anchors(ia, ib)
-    pairing = pair_streams(ia.keys, ib.keys, ia.anchors, ib.anchors)
+    if ia.keys == ib.keys:
+        pairing = pair_streams(ia.keys, ib.keys, ia.anchors, ib.anchors)
+    else:       # call sites without the function, for a function that differs at the same call site
+        rel: dict[str, int] = {}
+        site_a, site_b = ([_intern(rel, f"{s.site}\x00{s.context}") for s in idx.sites] for idx in (ia, ib))
+        pairing = pair_streams(ia.keys, ib.keys, ia.anchors, ib.anchors,
+                               array("q", [site_a[s] for s in ia.site_ids]),
+                               array("q", [site_b[s] for s in ib.site_ids]), ia.inputs, ib.inputs)
     summ.ops_a, summ.ops_b = len(ia.keys), len(ib.keys)
     summ.notes.extend([*(f"run A: {n}" for n in sa.notes), *(f"run B: {n}" for n in sb.notes)])
     rows_a, rows_b = pairing.row_arrays()

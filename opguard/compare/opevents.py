@@ -286,6 +286,8 @@ class OpEncoder:
         if diff is not None and diff.status == MISMATCH:
             dd: dict[str, object] = {"fields": ", ".join(diff.fields), "inputs_equal": diff.inputs_equal,
                                      "introduced": diff.introduced}
+            if diff.function:
+                dd["function"] = diff.function
             if diff.args:
                 dd["args"] = "; ".join(diff.args)
             dd.update(diff.numeric)
