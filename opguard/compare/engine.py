@@ -580,8 +580,8 @@ def _compare_stream(writer: ExportWriter, sa: Stream, sb: Stream, tracks: tuple[
         rel: dict[str, int] = {}
         site_a, site_b = ([_intern(rel, f"{s.site}\x00{s.context}") for s in idx.sites] for idx in (ia, ib))
         pairing = pair_streams(ia.keys, ib.keys, ia.anchors, ib.anchors,
-                               array("q", [site_a[s] for s in ia.site_ids]),
-                               array("q", [site_b[s] for s in ib.site_ids]), ia.inputs, ib.inputs)
+                               array("q", map(site_a.__getitem__, ia.site_ids)),
+                               array("q", map(site_b.__getitem__, ib.site_ids)), ia.inputs, ib.inputs)
     summ.ops_a, summ.ops_b = len(ia.keys), len(ib.keys)
     summ.notes.extend([*(f"run A: {n}" for n in sa.notes), *(f"run B: {n}" for n in sb.notes)])
     rows_a, rows_b = pairing.row_arrays()
