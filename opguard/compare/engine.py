@@ -330,7 +330,7 @@ class _Side:
              d: Diff | None, flow_out: int | None = None, flow_in: int | None = None,
              slots: bytes | None = None, same: bool = False) -> bytes:
         em, st = self.em, self.st
-        if not isinstance(item, Record) and d is None:
+        if d is None and item.__class__ is tuple:      # a capture item (not a Record)
             sid = self.site_ids[index]
             site = self.sites[sid]
             if site is None:
@@ -346,11 +346,11 @@ class _Side:
 
 def _slots_equal(x: _Item, y: _Item, dumps: bool) -> bool:
     """Every recorded field of the slots equal (then the diff is ok and the encoding can be shared)."""
-    if isinstance(x, Record) or isinstance(y, Record):
-        return isinstance(x, Record) and isinstance(y, Record) and x.inputs == y.inputs and x.outputs == y.outputs
-    a, b = x[3], y[3]
-    return not dumps and a.get("inputs") == b.get("inputs") and a.get("outputs") == b.get("outputs") and \
-        a.get("error") == b.get("error") and a.get("args") == b.get("args")
+    if x.__class__ is tuple and y.__class__ is tuple:     # both capture items (the usual case)
+        a, b = x[3], y[3]
+        return not dumps and a.get("inputs") == b.get("inputs") and a.get("outputs") == b.get("outputs") and \
+            a.get("error") == b.get("error") and a.get("args") == b.get("args")
+    return isinstance(x, Record) and isinstance(y, Record) and x.inputs == y.inputs and x.outputs == y.outputs
 
 
 def _module(context: str) -> str | None:
