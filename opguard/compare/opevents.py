@@ -15,6 +15,8 @@ from __future__ import annotations
 import struct
 from typing import Any
 
+from orjson import dumps as _dumps
+
 from opguard.compare.diff import MISMATCH, Diff
 from opguard.compare.perfetto_export import ExportWriter, callsite_text
 from opguard.compare.protoenc import N_SMALL as _NU
@@ -52,6 +54,7 @@ class OpEncoder:
         self._corrs: dict[tuple[str, str, str], tuple[bytes, bytes, bytes]] = {}
         self._fnames: dict[str, bytes] = {}
         self._slot_heads: dict[tuple[Any, ...], tuple[bytes, bytes]] = {}
+        self._raw_heads: dict[tuple[Any, ...], tuple[bytes, bytes]] = {}   # by the slot's raw JSON fields
         self._str_pre: dict[tuple[str, int], bytes] = {}
         self._dpre: dict[int, bytes] = {}
         self._same = _frame(self._cs(SLOTS, SAME_AS_OTHER))
@@ -209,6 +212,7 @@ class OpEncoder:
             return b""
         out = [self._n(kind)]
         heads = self._slot_heads
+        raw_heads = self._raw_heads
         dpre = self._dpre
         packers = self._packers
         for i, s in enumerate(raw or ()):
@@ -216,14 +220,25 @@ class OpEncoder:
             if name.__class__ is not str:
                 name = str(s.get("slot", f"{prefix}{i}"))
             dt = s.get("dtype")
+            if dt.__class__ is not str:
+                dt = None
             dv = s.get("device")
+            if dv.__class__ is not str:
+                dv = None
             sh = s.get("shape")
-            key = (name, dt if dt.__class__ is str else None,
-                   tuple(sh) if sh.__class__ is list and all(x.__class__ is int for x in sh) else None,
-                   dv if dv.__class__ is str else None)
-            h = heads.get(key)
+            try:        # the shape's JSON text tells a list of ints from any other value exactly
+                rkey: tuple[Any, ...] | None = (name, dt, dv, _dumps(sh))
+            except TypeError:
+                rkey = None
+            h = raw_heads.get(rkey) if rkey is not None else None
             if h is None:
-                h = self._slot_head(*key)
+                key = (name, dt, tuple(sh) if sh.__class__ is list and all(x.__class__ is int for x in sh)
+                       else None, dv)
+                h = heads.get(key)
+                if h is None:
+                    h = self._slot_head(*key)
+                if rkey is not None:
+                    raw_heads[rkey] = h
             d = s.get("digest")
             if d.__class__ is str:
                 v = d.encode()
@@ -324,9 +339,15 @@ class OpEncoder:
             v = varint(int(step))
             parts.append(_E + _U[len(self._nstep) + len(v)] + self._nstep + v)
         parts.append(site[0])
-        pre, post, tail = self._corr(*corr)
-        c = pre + self._sb("other", other) + post if other is not None else pre + post
-        parts.append(_E + uv(len(c)) + c)
+        cb = self._corrs.get(corr)
+        pre, post, tail = cb if cb is not None else self._corr(*corr)
+        if other is not None:
+            op = self._str_pre.get(("other", len(other)))
+            c = pre + (op + other if op is not None else self._sb("other", other)) + post
+        else:
+            c = pre + post
+        n = len(c)
+        parts.append(_E + (_U[n] if n < _NU else uv(n)) + c)
         parts.append(tail)
         if slots is None:
             d = dumps.get(seq) if dumps else None

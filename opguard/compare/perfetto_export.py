@@ -123,18 +123,23 @@ class ExportWriter:
             parts = self._track_parts[track] = (vfield(F.E_TYPE, F.SLICE_BEGIN) + vfield(F.E_TRACK, track), seq,
                                                 ld(F.P_TRACK_EVENT, end) + seq)
         begin, seq, end_tail = parts
-        ev = begin + name_field + framed
+        n = len(begin) + len(name_field) + len(framed)     # the TrackEvent's length
+        fo = fi = b""
         if flow_out is not None:
-            ev += _FLOW_OUT + _pack_q(flow_out)
+            fo = _FLOW_OUT + _pack_q(flow_out)
+            n += len(fo)
             self.flows += 1
         if flow_in is not None:
-            ev += _FLOW_IN + _pack_q(flow_in)
-        pkt = _TS + varint(ts) + _EVENT + uv(len(ev)) + ev + seq
-        if self.ann.pending:
-            pkt += ld(F.P_INTERNED, self.ann.take_new_names())
-        pkt += _NEEDS_STATE
+            fi = _FLOW_IN + _pack_q(flow_in)
+            n += len(fi)
+        tsv = varint(ts)
+        evl = uv(n)
+        interned = ld(F.P_INTERNED, self.ann.take_new_names()) if self.ann.pending else b""
         end = _TS + varint(ts + SLICE_NS) + end_tail
-        self._f.write(_PACKET + uv(len(pkt)) + pkt + _PACKET + uv(len(end)) + end)
+        self._f.write(b"".join((_PACKET, uv(len(_TS) + len(tsv) + len(_EVENT) + len(evl) + n + len(seq) + len(interned)
+                                             + len(_NEEDS_STATE)),
+                                _TS, tsv, _EVENT, evl, begin, name_field, framed, fo, fi, seq, interned, _NEEDS_STATE,
+                                _PACKET, uv(len(end)), end)))
         self.slices += 1
 
     def append_part(self, part: Path, slices: int, flows: int) -> None:

@@ -25,7 +25,7 @@ import re
 import shutil
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -147,6 +147,38 @@ class Stream:
                         ended = True
         if from_start and not ended:
             self.notes.append("no end record: the capture did not end cleanly (the trace may be incomplete)")
+
+    def capture_op_lines(self, start: tuple[int, int], files: Sequence[int], offsets: Sequence[int],
+                         first: int) -> Iterator[tuple[int, int, int, bytes]]:
+        """(file index, line number, byte offset, line) of the ``op`` records from operation
+        ``first``, which begins at ``start`` (pass 2): the lines at the positions pass 1 found
+        (``files``/``offsets``: each operation's file index and byte offset; pass 1 checked every
+        line, so nothing is parsed here: :meth:`parse_op` parses a line when it is needed)."""
+        k, nops = first, len(offsets)
+        for fi in range(start[0], len(self.files)):
+            off = start[1] if fi == start[0] else 0
+            with open(self.files[fi], "rb") as f:
+                f.seek(off)
+                for n, line in enumerate(f, 1):
+                    if k >= nops:
+                        return
+                    if offsets[k] == off and files[k] == fi:
+                        yield fi, n, off, line
+                        k += 1
+                    off += len(line)
+
+    def parse_op(self, fi: int, n: int, offset: int, line: bytes, start: tuple[int, int]) -> dict[str, Any]:
+        """An ``op`` line of :meth:`capture_op_lines` parsed (as :meth:`capture_ops` parses it)."""
+        try:
+            obj = orjson_loads(line)
+        except ValueError:
+            try:
+                obj = loads(line)
+            except ValueError as e:
+                raise bad_line(self.files[fi], n, offset, start[1] if fi == start[0] else 0, e) from None
+        if obj.__class__ is not dict:
+            raise bad_line(self.files[fi], n, offset, start[1] if fi == start[0] else 0, None)
+        return obj
 
     def index_fields(self) -> Iterator[tuple[str, str, str | None, bool, bool, int, int]]:
         """Per operation: (key, line key, anchor text, collective, has a source-line digest, file index,
