@@ -48,9 +48,6 @@ def materialize_cmd(source: Path, dest: Path, require_sealed: bool) -> None:
     click.echo(f"opguard: restored {_summary(report)} into {report.dest}", err=True)
     for line in _attempt_lines(source):
         click.echo(f"opguard: {line}", err=True)
-    from opguard.staging.attempts import write_provenance
-
-    write_provenance(source, Path(report.dest))  # which attempt each file's last version came from
     click.echo(report.dest)
 
 

@@ -306,41 +306,58 @@ def attempt_of(attempts: list[dict[str, Any]], stream: str, sequence: int) -> in
     return found
 
 
-def provenance(source: Path) -> dict[str, Any]:
-    """For every restored path (``ranks/rank-<R>/...``, ``nodes/<id>/...``): the attempt, node and
-    batch sequence its last version came from (``docs/format.md`` §8). Reads manifests only."""
-    from opguard.staging.bundle import read_manifest
-    from opguard.staging.target import list_batches
+def restored_attempts(root: Path) -> dict[str, list[dict[str, Any]]]:
+    """Node ID -> attempts, from the ``nodes/<id>/attempts.json`` a restore just verified and wrote
+    into ``root`` (its private partial tree): the same last published version that
+    :func:`published_attempts` reads from the target, without reading the target a second time.
+    Read without following links and bounded by ATTEMPTS_MAX_BYTES; an unreadable file yields
+    nothing for its node."""
+    from opguard.staging.layout import NODES_DIRNAME
 
-    published = published_attempts(source)
-    streams = source / BUNDLES_DIRNAME / "streams"
-    files: dict[str, dict[str, Any]] = {}
+    out: dict[str, list[dict[str, Any]]] = {}
     try:
-        names = sorted(os.listdir(streams))
+        nodes = sorted(os.listdir(root / NODES_DIRNAME))
     except (FileNotFoundError, NotADirectoryError):
-        names = []
-    for name in names:
-        sdir = streams / name
-        for seq, digest in list_batches(sdir):
-            try:
-                m = read_manifest(sdir / f"{seq:012d}-{digest}.ogb").manifest
-            except (OpguardError, OSError):
-                break  # verify/materialize report it; nothing is restored from a damaged stream
-            node = str(m.get("node_id"))
-            prefix = f"ranks/{name}" if m.get("kind") == "rank" else f"nodes/{node}"
-            attempt = attempt_of(published.get(node, []), name, seq)
-            for e in m.get("entries", []):
-                files[f"{prefix}/{e['path']}"] = {"attempt": attempt, "node_id": node, "stream": name,
-                                                  "sequence": seq}
-    return {"version": 1, "attempts": published, "files": dict(sorted(files.items()))}
+        return out
+    for node in nodes:
+        try:
+            fd = os.open(root / NODES_DIRNAME / node / ATTEMPTS_FILE, os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError:
+            continue
+        try:
+            data = os.read(fd, ATTEMPTS_MAX_BYTES + 1)
+        finally:
+            os.close(fd)
+        try:
+            doc = json.loads(data) if len(data) <= ATTEMPTS_MAX_BYTES else None
+        except ValueError:
+            doc = None
+        if isinstance(doc, dict) and isinstance(doc.get("attempts"), list):
+            out[node] = [a for a in doc["attempts"] if isinstance(a, dict)]
+    return out
 
 
-def write_provenance(source: Path, dest: Path) -> Path | None:
-    """``DEST/.opguard-attempts.json`` after a restore (temp file, fsync, rename, fsync), when the run
-    recorded attempts (a run made by ``opguard-run``); None otherwise."""
-    doc = provenance(source)
-    if not doc["attempts"]:
+def provenance(root: Path, origins: Mapping[str, Mapping[str, Any]]) -> dict[str, Any] | None:
+    """The ``.opguard-attempts.json`` document of a restored tree (``docs/format.md`` §8): for every
+    restored path of ``origins`` (path -> the stream, batch sequence and node ID its last entry came
+    from, as the restore applied it), the attempt of that node that published the batch; the
+    attempts as restored under ``root``. None when the run recorded no attempts."""
+    published = restored_attempts(root)
+    if not published:
         return None
-    path = dest / PROVENANCE_FILE
+    files = {rel: {"attempt": attempt_of(published.get(str(o["node_id"]), []), str(o["stream"]), int(o["sequence"])),
+                   "node_id": o["node_id"], "stream": o["stream"], "sequence": o["sequence"]}
+             for rel, o in sorted(origins.items())}
+    return {"version": 1, "attempts": published, "files": files}
+
+
+def write_provenance(root: Path, origins: Mapping[str, Mapping[str, Any]]) -> Path | None:
+    """``root/.opguard-attempts.json`` (temp file, fsync, rename, fsync) when the run recorded
+    attempts (a run made by ``opguard-run``); None otherwise. ``materialize`` calls it on the
+    partial tree, before the rename that publishes DEST."""
+    doc = provenance(root, origins)
+    if doc is None:
+        return None
+    path = root / PROVENANCE_FILE
     atomic_replace_bytes(path, json.dumps(doc, indent=1, sort_keys=True).encode() + b"\n")
     return path

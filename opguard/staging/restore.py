@@ -152,6 +152,11 @@ def materialize(source: Path, dest: Path, *, require_sealed: bool = False,
         tree = Tree(partial, report.warn)
         try:
             _run(source, tree, report, require_sealed, progress)
+            if report.origins:  # which attempt each file's last version came from (docs/format.md §8)
+                from opguard.staging.attempts import PROVENANCE_FILE, write_provenance
+
+                if write_provenance(partial, report.origins) is not None:
+                    report.provenance = str(dest / PROVENANCE_FILE)
         except OSError as e:  # reads of SOURCE are reported by the readers (exit 5); this is DEST
             raise ConfigError(f"restoring into {dest} failed: {e.strerror or e} (errno {e.errno}"
                               f"{', ' + str(e.filename) if e.filename else ''})",

@@ -96,6 +96,15 @@ class VerifyReport:
 @dataclass
 class RestoreReport(VerifyReport):
     dest: str = ""
+    # restored path (as in DEST) -> where its last version came from: {"stream", "sequence", "node_id"}
+    # (format 2 only; filled by the replay that wrote the file; docs/format.md §8)
+    origins: dict[str, dict[str, Any]] = field(default_factory=dict)
+    provenance: str | None = None  # DEST/.opguard-attempts.json when written
+
+    def to_dict(self) -> dict[str, Any]:
+        d = super().to_dict()
+        d.pop("origins", None)  # in the provenance file, not in the report
+        return d
 
 
 class DamagedSource(IntegrityError):

@@ -27,6 +27,7 @@ from opguard.staging.restore_report import (
     UNSEALED,
     NothingPublished,
     Progress,
+    RestoreReport,
     StreamReport,
     VerifyReport,
     check_require_sealed,
@@ -89,6 +90,7 @@ class _Stream:
     report: StreamReport
     bfd: int  # the descriptor of .opguard-bundles/ (the stream directory is reopened below it)
     batches: list[tuple[int, str, Path]] = field(default_factory=list)
+    origins: dict[str, tuple[int, str]] = field(default_factory=dict)  # path -> (sequence, node ID) of its last entry
 
     @property
     def prefix(self) -> str:
@@ -250,9 +252,10 @@ def _check_batch_paths(st: _Stream, info: BatchInfo) -> None:
 
 
 def _apply_batch(st: _Stream, info: BatchInfo, tree: Tree, versions: dict[str, int], files: set[str],
-                 digest: str) -> int:
+                 digest: str, seq: int) -> int:
     """Verify every entry of one batch (and the file's ``digest``) and apply it (§7). Returns payload bytes."""
     _check_batch_paths(st, info)
+    node = str(info.manifest["node_id"])  # checked by _check_manifest
     tree.reserve(sum(e["size"] for e in info.manifest["entries"]), f"batch {info.path}")
     total = 0
     for entry, chunks in iter_entries(info, digest):
@@ -290,6 +293,7 @@ def _apply_batch(st: _Stream, info: BatchInfo, tree: Tree, versions: dict[str, i
         total += tree.write(rel, chunks, append=append)
         versions[path] = version
         files.add(path)
+        st.origins[path] = (seq, node)
         mode, mtime = entry.get("mode"), entry.get("mtime_ns")
         tree.set_meta(rel, mode if _is_int(mode) else None, mtime if _is_int(mtime) else None)
     return total
@@ -316,7 +320,7 @@ def _replay_stream(st: _Stream, run_id: str, tree: Tree, progress: Progress | No
                     _check_manifest(st, info, seq, prev, run_id)
                     # the file digest is checked in the same pass as decompression (one read of the batch),
                     # after its entries were applied to the partial tree, which is published only at the end
-                    st.report.bytes += _apply_batch(st, info, tree, versions, files, digest)
+                    st.report.bytes += _apply_batch(st, info, tree, versions, files, digest, seq)
                 finally:
                     info.close()
             except IdentityError:
@@ -378,6 +382,20 @@ def _run_v2(source: Path, bundles: Path, bfd: int, tree: Tree, report: VerifyRep
     if tree.root is not None:
         tree.apply_meta()
         _copy_node_metadata(streams, tree)
+        if isinstance(report, RestoreReport):
+            report.origins = _origins(streams, tree)
+
+
+def _origins(streams: list[_Stream], tree: Tree) -> dict[str, dict[str, Any]]:
+    """Every restored file of a stream -> the batch and node its last entry came from, as the replay
+    applied it (a path the latest-wins rule left out of the tree is not listed; nor the _node/ copies)."""
+    out: dict[str, dict[str, Any]] = {}
+    for st in streams:
+        for path, (seq, node) in st.origins.items():
+            rel = f"{st.prefix}/{path}"
+            if tree.size(rel) is not None:
+                out[rel] = {"stream": st.name, "sequence": seq, "node_id": node}
+    return dict(sorted(out.items()))
 
 
 def _replay_all(streams: list[_Stream], run_id: str, tree: Tree, progress: Progress | None, fail_fast: bool) -> None:
