@@ -74,6 +74,7 @@ def input_slots(args: Sequence[Any], kwargs: Mapping[str, Any], method: bool) ->
 
 _Tensor, _Parameter = torch.Tensor, torch.nn.Parameter
 _names_get = records._names.get
+_UNINITIALIZED_FNS = records.UNINITIALIZED_FNS
 _isfinite = math.isfinite
 
 
@@ -138,7 +139,8 @@ class CaptureMode(TorchFunctionMode):
         s = self.session
         if s.busy:  # capture's own work
             return func(*args, **kwargs)
-        via = standin(_getframe(1))  # calls from a frame that reads as the caller's (frames.py)
+        caller = _getframe(1)
+        via = standin(caller)  # calls from a frame that reads as the caller's (frames.py)
         if isinstance(func, _OPS):  # torch.ops (the dispatch level's)
             return via(func, args, kwargs)
         inflight = self.inflight
@@ -167,14 +169,21 @@ class CaptureMode(TorchFunctionMode):
             module = modules[-1] if modules else None  # s.module, s.context
             context = "/".join(contexts) if contexts else None
             if s.select_all or s.selected(name, module, context):
-                site = s.sites.lookup(sys._getframe(1))
+                site = s.sites.lookup(caller)
                 call = s.begin("function", name, site, where=(module, context))
                 ins, xs = split_args(args, kwargs, name.startswith("Tensor."))
                 if xs:
                     call.rec["args"] = xs
                 entry, put = s.entry, call.rec["inputs"].append  # s.inputs(call, ins), one call less
+                fast = s._entry_fast if s.host_digest and not s._uninit else None  # what entry() tries first
                 for slot, t in ins:
-                    put(entry(call, slot, t, False))
+                    ent = None
+                    if fast is not None:
+                        try:
+                            ent = fast(call, slot, t, False, False)
+                        except Exception:  # entry() below says what failed
+                            ent = None
+                    put(ent if ent is not None else entry(call, slot, t, False))
                 if s.policy.enabled and not s.parents and s.policy.wants(s.step, name, module, context, site):
                     s.dump(call.rec["seq"], ins)
                     dump_out = True
@@ -206,13 +215,26 @@ class CaptureMode(TorchFunctionMode):
         try:
             if not s.cap_reached:
                 outs = [("out", result)] if type(result) is _Tensor else list(tensors_in(result, "out"))
-                s.outputs(call, outs, uninitialized=name in records.UNINITIALIZED_FNS)
+                if name in _UNINITIALIZED_FNS:
+                    s.outputs(call, outs, uninitialized=True)
+                else:  # s.outputs(call, outs), with entry()'s fast path tried here (one or two calls less)
+                    entry, put = s.entry, call.rec["outputs"].append
+                    fast = s._entry_fast if s.host_digest and not s._uninit else None
+                    for slot, t in outs:
+                        ent = None
+                        if fast is not None:
+                            try:
+                                ent = fast(call, slot, t, True, False)
+                            except Exception:  # entry() below says what failed
+                                ent = None
+                        put(ent if ent is not None else entry(call, slot, t, True))
                 if dump_out:
                     s.dump(call.rec["seq"], [(f"{slot}", t) for slot, t in outs])
                 if self.on_output is not None:
                     self.on_output(call, outs)
         except Exception as err:
             s.failed("recording", err, call)
-        s.maybe_flush_contained()
+        if len(s.pending) >= s.buffer and not s.parents:
+            s.maybe_flush_contained()
         return result
 
