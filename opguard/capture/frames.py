@@ -29,7 +29,7 @@ import torch.overrides
 
 Call = Callable[[Callable[..., Any], Sequence[Any], Mapping[str, Any]], Any]
 _HANDLE = torch.overrides.handle_torch_function.__code__
-_MAX = 1 << 16  # stand-ins kept; the table is cleared when full (generated code can make many)
+_MAX = 1 << 13  # stand-ins kept (each holds its caller's globals); cleared when full (generated code can make many)
 
 
 def plain(f: Callable[..., Any], a: Sequence[Any], k: Mapping[str, Any]) -> Any:

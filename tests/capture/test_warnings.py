@@ -45,3 +45,31 @@ def test_warnings_under_capture_name_the_users_line_and_deduplicate_the_same(tmp
     op = ops(read_trace(trace_dir(base)))
     assert {(r["fn"], r["line"]) for r in op} >= {("torch.nn.functional.softmax", 48), ("torch.tensor", 49),
                                                   ("torch.nn.functional.softmax", 36)}
+
+
+def test_a_stand_in_reads_as_its_callers_frame() -> None:
+    """The stand-in of a frame: a C++ warning raised through it names that frame's file, line and
+    module, a traceback through it shows that line without carets; no frame: the plain call."""
+    import sys
+    import traceback
+    import warnings
+
+    from opguard.capture import frames
+
+    assert frames.ENABLED and frames.standin(None) is frames.plain
+    here = sys._getframe()
+    via = frames.standin(here)
+    line = here.f_lineno - 1  # the line of the standin() call above
+    assert via.__code__.co_firstlineno == line
+    x = torch.randn(3)
+    with warnings.catch_warnings(record=True) as got:
+        warnings.simplefilter("always")
+        via(torch.tensor, (x,), {})
+    assert [(w.filename, w.lineno) for w in got] == [(__file__, line)]
+    assert via.__globals__ is globals() and via.__code__.co_name == here.f_code.co_name
+    try:
+        via(torch.cat, ([x, torch.randn(2, 2)],), {})
+    except RuntimeError:
+        text = traceback.format_exc()
+    stand_in_part = text.split(f'File "{__file__}", line {line}')[1].split("File")[0]
+    assert "frames.standin(here)" in stand_in_part and "^" not in stand_in_part  # no carets
