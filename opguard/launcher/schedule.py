@@ -72,7 +72,6 @@ def warning_seconds(pending_bytes: float, cap_mib_s: float, margin: float = 1.5,
 
 MIB = 2**20
 OPS_PER_BATCH = 2  # one create (the hidden .tmp-* file) + one rename (publication)
-OPS_PER_SEAL = 2  # one create (temporary) + one link (create-if-absent publication)
 
 
 def upload_seconds_per_interval(node_bytes_per_s: float, interval: float, cap_mib_s: float) -> float:

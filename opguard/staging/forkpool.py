@@ -1,4 +1,4 @@
-"""Independent jobs in forked worker processes (``docs/protocol.md``, "Several streams at once").
+"""Independent jobs in forked worker processes (``docs/protocol.md``, "One sync of several streams").
 
 One ``opguard sync --all`` builds its streams in parallel. Building a batch of many small files is
 per-file Python (open, fstat, read, the entry, the checkpoint record) between calls that release
