@@ -24,7 +24,7 @@ from pathlib import Path
 
 from opguard.errors import ConfigError, IdentityError, IntegrityError
 from opguard.staging.fsutil import fsync_dir
-from opguard.staging.layout import BUNDLES_DIRNAME
+from opguard.staging.layout import BUNDLES_DIRNAME, FORMAT_FILE, SNAPSHOT_NAME, STREAMS_DIRNAME, TARGET_TMP_PREFIX
 from opguard.staging.restore_report import (
     DAMAGED,
     FIX_DAMAGED,
@@ -48,8 +48,22 @@ from opguard.staging.restore_v1 import find_v1_owners, run_v1
 from opguard.staging.restore_v2 import run_v2
 
 __all__ = ["DAMAGED", "FORMAT_SNAPSHOT", "FORMAT_V1", "FORMAT_V2", "SEALED", "UNSEALED", "DamagedSource",
-           "NothingPublished", "Progress", "RestoreReport", "StreamReport", "VerifyReport", "detect", "materialize",
-           "rename_noreplace", "verify"]
+           "NothingPublished", "Progress", "RestoreReport", "StreamReport", "VerifyReport", "detect",
+           "holds_published_data", "materialize", "rename_noreplace", "verify"]
+
+
+def holds_published_data(source: Path) -> bool:
+    """Whether SOURCE is something to restore: a ``.opguard-bundles/`` directory or legacy
+    ``sync.tar.gz`` archives at any depth, the two things :func:`detect` looks for (not yet judged:
+    :func:`detect`, :func:`verify` and :func:`materialize` refuse what is wrong with them). For a
+    caller that also takes plain trace directories (``opguard compare``); a directory that cannot
+    be listed holds nothing found here."""
+    if (source / BUNDLES_DIRNAME).is_dir():
+        return True
+    try:
+        return bool(find_snapshots(source))
+    except IntegrityError:
+        return False
 
 
 def detect(source: Path) -> str:
@@ -66,30 +80,31 @@ def detect(source: Path) -> str:
             raise IdentityError(
                 f"{source} holds both {BUNDLES_DIRNAME}/ and legacy snapshot archives "
                 f"(e.g. {snapshots[0]}): the formats are never mixed in one run",
-                "copy the sync.tar.gz files to another directory and restore each format separately")
+                f"copy the {SNAPSHOT_NAME} files to another directory and restore each format separately")
         names = os.listdir(bundles)
-        temporaries = sorted(n for n in names if n.startswith(".tmp-"))
+        temporaries = sorted(n for n in names if n.startswith(TARGET_TMP_PREFIX))
         if len(temporaries) == len(names):
             held = (f"only {len(temporaries)} temporary file(s) of a first sync that is running or was killed "
                     f"(e.g. {bundles / temporaries[0]})" if temporaries else "nothing")
-            raise NothingPublished(source, f"{bundles} holds {held}, no format.json and no batch")
-        if (bundles / "format.json").exists() or (bundles / "format.json").is_symlink():
+            raise NothingPublished(source, f"{bundles} holds {held}, no {FORMAT_FILE} and no batch")
+        if (bundles / FORMAT_FILE).exists() or (bundles / FORMAT_FILE).is_symlink():
             return FORMAT_V2
         if find_v1_owners(bundles):
             return FORMAT_V1
-        if (bundles / "streams").exists():
-            raise IntegrityError(f"{bundles / 'format.json'} is missing but {bundles / 'streams'} exists",
+        if (bundles / STREAMS_DIRNAME).exists():
+            raise IntegrityError(f"{bundles / FORMAT_FILE} is missing but {bundles / STREAMS_DIRNAME} exists",
                                  "the target identity file was lost; recover it from a backup of the target")
-        raise IntegrityError(f"{bundles} holds neither format.json (format 2) nor reference v1 bundle "
+        raise IntegrityError(f"{bundles} holds neither {FORMAT_FILE} (format 2) nor reference v1 bundle "
                              "directories (<node16>-rank<NNNNNN>)", "check that SOURCE is the run's output directory")
     if snapshots:
         return FORMAT_SNAPSHOT
-    raise ConfigError(f"no opguard data in {source}: no {BUNDLES_DIRNAME}/ and no sync.tar.gz",
+    raise ConfigError(f"no opguard data in {source}: no {BUNDLES_DIRNAME}/ and no {SNAPSHOT_NAME}",
                       "pass the run's shared output directory (OPGUARD_LOCAL_DUMP_TARGET of the run)")
 
 
 
-def _run(source: Path, tree: Tree, report: VerifyReport, require_sealed: bool, progress: Progress | None) -> None:
+def _run(source: Path, tree: Tree, report: VerifyReport, require_sealed: bool,
+         progress: Progress | None) -> None:
     report.format = detect(source)
     if report.format == FORMAT_V2:
         run_v2(source, tree, report, progress, require_sealed)

@@ -15,11 +15,10 @@ from pathlib import Path
 from opguard.errors import IntegrityError
 from opguard.staging import names
 from opguard.staging.fsutil import open_beneath, open_regular
-from opguard.staging.layout import BUNDLES_DIRNAME
+from opguard.staging.layout import BUNDLES_DIRNAME, SNAPSHOT_NAME
 from opguard.staging.restore_report import Progress, StreamReport, VerifyReport, damaged, guarded
 from opguard.staging.restore_tree import READ_ERRORS, Tree, read_chunks
 
-SNAPSHOT_NAME = "sync.tar.gz"
 LONG_NAME_MAX = names.PATH_MAX  # a GNU long name or link name: one path, NUL-terminated
 PAX_HEADER_MAX = 2 * names.PATH_MAX + 1024  # path= and linkpath= records, plus the short fixed ones
 

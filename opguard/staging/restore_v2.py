@@ -17,9 +17,25 @@ from typing import Any
 
 from opguard.errors import IdentityError, IntegrityError, OpguardError
 from opguard.staging import names
-from opguard.staging.bundle import FORMAT_VERSION, BatchInfo, iter_entries, open_batch, parse_batch_name
+from opguard.staging.bundle import (
+    BATCH_SUFFIX,
+    FORMAT_VERSION,
+    SEAL_SUFFIX,
+    BatchInfo,
+    iter_entries,
+    open_batch,
+    parse_batch_name,
+    parse_seal_name,
+)
 from opguard.staging.fsutil import loads_json, open_beneath, open_dir_nofollow, open_regular
-from opguard.staging.layout import BUNDLES_DIRNAME, NODE_COPY_DIRNAME, NODES_DIRNAME, RANKS_DIRNAME
+from opguard.staging.layout import (
+    BUNDLES_DIRNAME,
+    FORMAT_FILE,
+    NODE_COPY_DIRNAME,
+    NODES_DIRNAME,
+    RANKS_DIRNAME,
+    STREAMS_DIRNAME,
+)
 from opguard.staging.restore_report import (
     DAMAGED,
     FIX_DAMAGED,
@@ -36,7 +52,6 @@ from opguard.staging.restore_report import (
 )
 from opguard.staging.restore_tree import Tree
 
-_SEAL_NAME = re.compile(r"([0-9]{12})\.seal")
 _DIGEST = re.compile(r"[0-9a-f]{64}")
 # format.json and seals hold a handful of fields of bounded size (IDs of at most 128 characters,
 # digests, numbers): 64 KiB is far above any real one and bounds what a reader loads
@@ -58,9 +73,9 @@ def read_small_json(name: str, dir_fd: int, shown: Path) -> Any:
 
 
 def read_format(bundles: Path, bfd: int) -> str:
-    path = bundles / "format.json"
+    path = bundles / FORMAT_FILE
     try:
-        data = read_small_json("format.json", bfd, path)
+        data = read_small_json(FORMAT_FILE, bfd, path)
     except (OSError, ValueError) as e:
         raise IntegrityError(f"{path} is unreadable or not a regular file ({e})", _FIX_TARGET) from None
     if not isinstance(data, dict) or data.get("format") != "opguard-bundles":
@@ -106,9 +121,9 @@ class _Stream:
 
 
 def _list_streams(bundles: Path, bfd: int, report: VerifyReport) -> list[_Stream]:
-    root = bundles / "streams"
+    root = bundles / STREAMS_DIRNAME
     try:
-        sfd = open_dir_nofollow("streams", bfd)
+        sfd = open_dir_nofollow(STREAMS_DIRNAME, bfd)
     except FileNotFoundError:
         return []
     except OSError as e:
@@ -141,7 +156,7 @@ def _scan_stream(st: _Stream, run_id: str, report: VerifyReport) -> None:
             child = st.path / name
             if name.startswith(".tmp-"):
                 continue  # an upload in progress or abandoned: never part of the published history
-            if name.endswith(".ogb"):
+            if name.endswith(BATCH_SUFFIX):
                 parsed = parse_batch_name(name)
                 if parsed is None:
                     raise damaged(st.name, f"malformed batch name {names.show(name)} in {st.path}")
@@ -149,11 +164,11 @@ def _scan_stream(st: _Stream, run_id: str, report: VerifyReport) -> None:
                 if seq in by_seq:
                     raise damaged(st.name, f"two batches with sequence {seq}: {by_seq[seq][1].name} and {name}")
                 by_seq[seq] = (digest, child)
-            elif name.endswith(".seal"):
-                m = _SEAL_NAME.fullmatch(name)
-                if m is None:
+            elif name.endswith(SEAL_SUFFIX):
+                sealed = parse_seal_name(name)
+                if sealed is None:
                     raise damaged(st.name, f"malformed seal name {names.show(name)} in {st.path}")
-                seals[int(m.group(1))] = child
+                seals[sealed] = child
             else:
                 report.warn(f"ignoring unexpected file {child} (not a batch or a seal)")
                 continue
@@ -344,7 +359,8 @@ def _copy_node_metadata(streams: list[_Stream], tree: Tree) -> None:
             tree.copy_dir(f"{NODES_DIRNAME}/{st.report.node_id}", f"{RANKS_DIRNAME}/{st.name}/{NODE_COPY_DIRNAME}")
 
 
-def run_v2(source: Path, tree: Tree, report: VerifyReport, progress: Progress | None, require_sealed: bool) -> None:
+def run_v2(source: Path, tree: Tree, report: VerifyReport, progress: Progress | None,
+           require_sealed: bool) -> None:
     bundles = source / BUNDLES_DIRNAME
     try:
         bfd = open_dir_nofollow(bundles)
@@ -357,8 +373,8 @@ def run_v2(source: Path, tree: Tree, report: VerifyReport, progress: Progress | 
         os.close(bfd)
 
 
-def _run_v2(source: Path, bundles: Path, bfd: int, tree: Tree, report: VerifyReport, progress: Progress | None,
-            require_sealed: bool) -> None:
+def _run_v2(source: Path, bundles: Path, bfd: int, tree: Tree, report: VerifyReport,
+            progress: Progress | None, require_sealed: bool) -> None:
     run_id = read_format(bundles, bfd)
     report.run_id = run_id
     streams = _list_streams(bundles, bfd, report)
@@ -380,7 +396,8 @@ def _run_v2(source: Path, bundles: Path, bfd: int, tree: Tree, report: VerifyRep
         _copy_node_metadata(streams, tree)
 
 
-def _replay_all(streams: list[_Stream], run_id: str, tree: Tree, progress: Progress | None, fail_fast: bool) -> None:
+def _replay_all(streams: list[_Stream], run_id: str, tree: Tree, progress: Progress | None,
+                fail_fast: bool) -> None:
     """Replay streams in parallel threads (one per usable CPU, at most 8): streams restore into
     disjoint subtrees, and decompression, hashing and file writes release the GIL. A restore
     (``fail_fast``) stops the other streams after the first failure and raises the failure of the

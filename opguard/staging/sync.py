@@ -11,7 +11,6 @@ from __future__ import annotations
 import errno
 import math
 import os
-import re
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -25,20 +24,20 @@ import filelock
 from opguard.errors import ConfigError, IdentityError, LockTimeout, OpguardError, PublishError
 from opguard.staging import crashpoints, forkpool
 from opguard.staging.build import BatchSource, Torn, build_batch
-from opguard.staging.bundle import BatchWriteError, read_manifest
-from opguard.staging.checkpoint import Checkpoint, Pending, save_checkpoint
+from opguard.staging.bundle import BatchWriteError, read_manifest, seal_name
+from opguard.staging.checkpoint import CHECKPOINT_FILE, PENDING_FILE, Checkpoint, Pending, save_checkpoint
 from opguard.staging.config import StagingConfig
 from opguard.staging.fsutil import create_exclusive, dump_json, fsync_dir, read_json_nofollow
 from opguard.staging.layout import NODE_COPY_DIRNAME, RANKS_DIRNAME, WRITER_TMP_PREFIX, Layout, node_stream
+from opguard.staging.names import parse_rank_stream
 from opguard.staging.plan import Item, select_batch
 from opguard.staging.publish import Bucket, remove_stale_tmp, upload
 from opguard.staging.ratelimit import TokenBucket, Unlimited
 from opguard.staging.scan import Change, detect, walk
-from opguard.staging.target import check_stream, ensure_target, open_stream_dir, staging_of
+from opguard.staging.target import check_stream, ensure_target, open_stream_dir, staging_of, stream_dir
 from opguard.staging.units import format_bytes
 
 TORN_RETRIES = 3
-_RANK_STREAM = re.compile(r"^rank-(\d{6,})$")
 
 Progress = Callable[[str], None]
 
@@ -103,9 +102,8 @@ class SyncReport:
 
 def stream_root(layout: Layout, stream: str, node_id: str) -> tuple[Path, str, int | None]:
     """(source directory, kind, rank) of a stream this node uploads."""
-    m = _RANK_STREAM.match(stream)
-    if m:
-        rank = int(m.group(1))
+    rank = parse_rank_stream(stream)
+    if rank is not None:
         return layout.rank_dir(rank), "rank", rank
     if stream == node_stream(node_id):
         return layout.node_dir(node_id), "node", None
@@ -120,7 +118,7 @@ def all_streams(config: StagingConfig, layout: Layout, node_id: str) -> list[str
     found: set[str] = set()
     for d in (s.local_base / RANKS_DIRNAME, layout.stream_state_dir("x").parent):
         try:
-            found.update(n for n in os.listdir(d) if _RANK_STREAM.match(n))
+            found.update(n for n in os.listdir(d) if parse_rank_stream(n) is not None)
         except FileNotFoundError:
             pass
     out = sorted(found)
@@ -161,7 +159,7 @@ class _Ctx:
 
     @property
     def target_dir(self) -> Path:
-        return staging_of(self.config).bundles / "streams" / self.stream
+        return stream_dir(self.config, self.stream)
 
 
 def _build(ctx: _Ctx, cp: Checkpoint, changes: list[Change], deleted: list[str], limit: int,
@@ -236,7 +234,7 @@ def _publish(ctx: _Ctx, pending: Pending) -> Checkpoint:
             f"OPGUARD_SYNC_LOCK_TIMEOUT={ctx.config.lock_timeout:g} s; batch {pending.name} stays pending",
             "raise OPGUARD_SYNC_LOCK_TIMEOUT or OPGUARD_SYNC_MBPS, or lower OPGUARD_SYNC_BATCH_MB") from None
     crashpoints.hit("uploaded")
-    save_checkpoint(ctx.state / "checkpoint.json", pending.checkpoint)
+    save_checkpoint(ctx.state / CHECKPOINT_FILE, pending.checkpoint)
     crashpoints.hit("checkpoint-saved")
     _finish_pending(ctx, pending)
     ctx.report.batches += 1
@@ -246,7 +244,7 @@ def _publish(ctx: _Ctx, pending: Pending) -> Checkpoint:
 
 
 def _finish_pending(ctx: _Ctx, pending: Pending) -> None:
-    (ctx.state / "pending.json").unlink(missing_ok=True)
+    (ctx.state / PENDING_FILE).unlink(missing_ok=True)
     crashpoints.hit("pending-removed")
     (ctx.pending_dir / pending.name).unlink(missing_ok=True)
     fsync_dir(ctx.state)
@@ -334,7 +332,7 @@ def _seal(ctx: _Ctx, cp: Checkpoint) -> Checkpoint:
         return cp
     doc = {"version": 2, "stream": ctx.stream, "run_id": cp.run_id, "last_sequence": last,
            "last_digest": cp.head_digest, "sealed_at": time.time(), "host": ctx.node_id}
-    path = ctx.target_dir / f"{last:012d}.seal"
+    path = ctx.target_dir / seal_name(last)
     try:
         os.close(open_stream_dir(ctx.config, ctx.stream))  # no link followed (docs/format.md §11)
         crashpoints.hit("sealing")
@@ -354,7 +352,7 @@ def _seal(ctx: _Ctx, cp: Checkpoint) -> Checkpoint:
                            "run the final sync again; the batches themselves are published") from None
     new = cp.copy()
     new.sealed_sequence = last
-    save_checkpoint(ctx.state / "checkpoint.json", new)
+    save_checkpoint(ctx.state / CHECKPOINT_FILE, new)
     return new
 
 
@@ -367,7 +365,7 @@ def _sync_stream(ctx: _Ctx, final: bool) -> None:
                               "check --rank/OPGUARD_RANK and OPGUARD_LOCAL_DUMP_BASE (is this the right node?)")
         cp = Checkpoint(s.run_id, ctx.stream, os.fspath(s.target))
         ctx.state.mkdir(parents=True, exist_ok=True)
-        save_checkpoint(ctx.state / "checkpoint.json", cp)
+        save_checkpoint(ctx.state / CHECKPOINT_FILE, cp)
         crashpoints.hit("initial-checkpoint")
     sfd = open_stream_dir(ctx.config, ctx.stream)  # created without following a planted link
     try:
@@ -401,8 +399,8 @@ def _sync_stream(ctx: _Ctx, final: bool) -> None:
                          f"{format_bytes(pending.size)} compressed), {format_bytes(backlog)} left")
         else:
             break
-    if ctx.skipped_changed and not (ctx.state / "pending.json").exists():
-        save_checkpoint(ctx.state / "checkpoint.json", cp)  # remember what was reported, so once only
+    if ctx.skipped_changed and not (ctx.state / PENDING_FILE).exists():
+        save_checkpoint(ctx.state / CHECKPOINT_FILE, cp)  # remember what was reported, so once only
     if final and ctx.report.exit_code == 0:
         cp = _seal(ctx, cp)
         ctx.report.sealed = True
@@ -573,7 +571,7 @@ def sync_streams(config: StagingConfig, layout: Layout, streams: Sequence[str], 
     n = stream_workers(len(streams)) if workers is None else max(1, min(workers, len(streams)))
     # the node stream is the node's metadata (small): it compresses inline and leaves the CPUs to the
     # rank streams (the per-rank wrapper's `--rank R --node` is one big stream, not two)
-    ranks = sum(1 for st in streams if _RANK_STREAM.match(st))
+    ranks = sum(1 for st in streams if parse_rank_stream(st) is not None)
     zthreads = zstd_workers(min(n, ranks)) if ranks else 0
     own = tb if isinstance(tb, TokenBucket | Unlimited) else None  # one the workers can share
     forked = n > 1 and processes is not False and forkpool.available() and own is not None
@@ -594,7 +592,7 @@ def sync_streams(config: StagingConfig, layout: Layout, streams: Sequence[str], 
 
     def one(sr: StreamReport) -> StreamReport:
         return _sync_one(config, layout, sr, final, node_id, tb, say,
-                         zthreads if _RANK_STREAM.match(sr.stream) else 0, uploading)
+                         zthreads if parse_rank_stream(sr.stream) is not None else 0, uploading)
 
     try:
         if n == 1:
