@@ -17,10 +17,10 @@ from pathlib import Path
 from typing import Any
 
 from opguard.staging import crashpoints
+from opguard.staging.batchplan import Take
 from opguard.staging.bundle import ZSTD_THREADS, BatchWriteError, BatchWriter, batch_name
 from opguard.staging.checkpoint import PENDING_FILE, Checkpoint, FileRecord, Pending, save_pending
 from opguard.staging.fsutil import fsync_dir
-from opguard.staging.plan import Take
 from opguard.staging.scan import Change, FileStat, last_newline_end, tail_sha256
 
 

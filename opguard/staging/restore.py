@@ -35,20 +35,20 @@ from opguard.staging.restore_report import (
     UNSEALED,
     DamagedSource,
     NothingPublished,
-    Progress,
+    RestoreProgress,
     RestoreReport,
-    StreamReport,
+    StreamVerifyReport,
     VerifyReport,
     check_require_sealed,
     warn_unsealed,
 )
 from opguard.staging.restore_snapshot import find_snapshots, run_snapshots
-from opguard.staging.restore_tree import Tree, rename_noreplace
+from opguard.staging.restore_tree import OutputTree, rename_noreplace
 from opguard.staging.restore_v1 import find_v1_owners, run_v1
 from opguard.staging.restore_v2 import run_v2
 
 __all__ = ["DAMAGED", "FORMAT_SNAPSHOT", "FORMAT_V1", "FORMAT_V2", "SEALED", "UNSEALED", "DamagedSource",
-           "NothingPublished", "Progress", "RestoreReport", "StreamReport", "VerifyReport", "detect",
+           "NothingPublished", "RestoreProgress", "RestoreReport", "StreamVerifyReport", "VerifyReport", "detect",
            "holds_published_data", "materialize", "rename_noreplace", "verify"]
 
 
@@ -103,8 +103,8 @@ def detect(source: Path) -> str:
 
 
 
-def _run(source: Path, tree: Tree, report: VerifyReport, require_sealed: bool,
-         progress: Progress | None) -> None:
+def _run(source: Path, tree: OutputTree, report: VerifyReport, require_sealed: bool,
+         progress: RestoreProgress | None) -> None:
     report.format = detect(source)
     if report.format == FORMAT_V2:
         run_v2(source, tree, report, progress, require_sealed)
@@ -123,7 +123,7 @@ def _run(source: Path, tree: Tree, report: VerifyReport, require_sealed: bool,
     tree.fsync_all()
 
 
-def verify(source: Path, *, require_sealed: bool = False, progress: Progress | None = None) -> VerifyReport:
+def verify(source: Path, *, require_sealed: bool = False, progress: RestoreProgress | None = None) -> VerifyReport:
     """Check everything published under SOURCE without writing anything.
 
     Returns the report when nothing is damaged (unsealed streams are reported and warned about).
@@ -133,7 +133,7 @@ def verify(source: Path, *, require_sealed: bool = False, progress: Progress | N
     source = Path(os.path.abspath(source))
     report = VerifyReport(str(source))
     try:
-        _run(source, Tree(None, report.warn), report, require_sealed, progress)
+        _run(source, OutputTree(None, report.warn), report, require_sealed, progress)
     except OSError as e:  # verify writes nothing: what failed is reading SOURCE
         raise IntegrityError(f"reading {e.filename or source} failed: {e.strerror or e} (errno {e.errno})",
                              "check the storage of SOURCE (permissions, I/O errors) and run verify again") from None
@@ -141,7 +141,7 @@ def verify(source: Path, *, require_sealed: bool = False, progress: Progress | N
 
 
 def materialize(source: Path, dest: Path, *, require_sealed: bool = False,
-                progress: Progress | None = None) -> RestoreReport:
+                progress: RestoreProgress | None = None) -> RestoreReport:
     """Restore SOURCE into DEST (which must not exist), verified, published by one rename."""
     source = Path(os.path.abspath(source))
     dest = Path(os.path.abspath(dest))
@@ -161,10 +161,10 @@ def materialize(source: Path, dest: Path, *, require_sealed: bool = False,
     # mode 0700 (mkdtemp), so no other user can enter the tree being built, whatever the parent allows
     private = Path(tempfile.mkdtemp(prefix=f"{dest.name}.opguard-partial-", dir=parent))
     partial = private / dest.name
-    tree: Tree | None = None
+    tree: OutputTree | None = None
     try:
         partial.mkdir()
-        tree = Tree(partial, report.warn)
+        tree = OutputTree(partial, report.warn)
         try:
             _run(source, tree, report, require_sealed, progress)
         except OSError as e:  # reads of SOURCE are reported by the readers (exit 5); this is DEST

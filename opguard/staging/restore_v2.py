@@ -42,15 +42,15 @@ from opguard.staging.restore_report import (
     SEALED,
     UNSEALED,
     NothingPublished,
-    Progress,
-    StreamReport,
+    RestoreProgress,
+    StreamVerifyReport,
     VerifyReport,
     check_require_sealed,
     damaged,
     guarded,
     warn_unsealed,
 )
-from opguard.staging.restore_tree import Tree
+from opguard.staging.restore_tree import OutputTree
 
 _DIGEST = re.compile(r"[0-9a-f]{64}")
 # format.json and seals hold a handful of fields of bounded size (IDs of at most 128 characters,
@@ -101,7 +101,7 @@ class _Stream:
     kind: str
     rank: int | None
     node_id: str | None
-    report: StreamReport
+    report: StreamVerifyReport
     bfd: int  # the descriptor of .opguard-bundles/ (the stream directory is reopened below it)
     batches: list[tuple[int, str, Path]] = field(default_factory=list)
 
@@ -264,7 +264,7 @@ def _check_batch_paths(st: _Stream, info: BatchInfo) -> None:
             i = p.find("/", i + 1)
 
 
-def _apply_batch(st: _Stream, info: BatchInfo, tree: Tree, versions: dict[str, int], files: set[str],
+def _apply_batch(st: _Stream, info: BatchInfo, tree: OutputTree, versions: dict[str, int], files: set[str],
                  digest: str) -> int:
     """Verify every entry of one batch (and the file's ``digest``) and apply it (§7). Returns payload bytes."""
     _check_batch_paths(st, info)
@@ -315,7 +315,7 @@ def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and -(1 << 63) <= value < (1 << 63)
 
 
-def _replay_stream(st: _Stream, run_id: str, tree: Tree, progress: Progress | None,
+def _replay_stream(st: _Stream, run_id: str, tree: OutputTree, progress: RestoreProgress | None,
                    stop: threading.Event | None = None) -> None:
     versions: dict[str, int] = {}
     files: set[str] = set()
@@ -351,7 +351,7 @@ def _replay_stream(st: _Stream, run_id: str, tree: Tree, progress: Progress | No
         os.close(dfd)
 
 
-def _copy_node_metadata(streams: list[_Stream], tree: Tree) -> None:
+def _copy_node_metadata(streams: list[_Stream], tree: OutputTree) -> None:
     """``nodes/<id>/`` into ``ranks/rank-<R>/_node/`` for every rank whose last batch names that node
     (the node ID was checked against docs/format.md §2 when its batch was read)."""
     for st in streams:
@@ -359,7 +359,7 @@ def _copy_node_metadata(streams: list[_Stream], tree: Tree) -> None:
             tree.copy_dir(f"{NODES_DIRNAME}/{st.report.node_id}", f"{RANKS_DIRNAME}/{st.name}/{NODE_COPY_DIRNAME}")
 
 
-def run_v2(source: Path, tree: Tree, report: VerifyReport, progress: Progress | None,
+def run_v2(source: Path, tree: OutputTree, report: VerifyReport, progress: RestoreProgress | None,
            require_sealed: bool) -> None:
     bundles = source / BUNDLES_DIRNAME
     try:
@@ -373,8 +373,8 @@ def run_v2(source: Path, tree: Tree, report: VerifyReport, progress: Progress | 
         os.close(bfd)
 
 
-def _run_v2(source: Path, bundles: Path, bfd: int, tree: Tree, report: VerifyReport,
-            progress: Progress | None, require_sealed: bool) -> None:
+def _run_v2(source: Path, bundles: Path, bfd: int, tree: OutputTree, report: VerifyReport,
+            progress: RestoreProgress | None, require_sealed: bool) -> None:
     run_id = read_format(bundles, bfd)
     report.run_id = run_id
     streams = _list_streams(bundles, bfd, report)
@@ -396,7 +396,7 @@ def _run_v2(source: Path, bundles: Path, bfd: int, tree: Tree, report: VerifyRep
         _copy_node_metadata(streams, tree)
 
 
-def _replay_all(streams: list[_Stream], run_id: str, tree: Tree, progress: Progress | None,
+def _replay_all(streams: list[_Stream], run_id: str, tree: OutputTree, progress: RestoreProgress | None,
                 fail_fast: bool) -> None:
     """Replay streams in parallel threads (one per usable CPU, at most 8): streams restore into
     disjoint subtrees, and decompression, hashing and file writes release the GIL. A restore

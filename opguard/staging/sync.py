@@ -23,6 +23,7 @@ import filelock
 
 from opguard.errors import ConfigError, IdentityError, LockTimeout, OpguardError, PublishError
 from opguard.staging import crashpoints, forkpool
+from opguard.staging.batchplan import Item, select_batch
 from opguard.staging.build import BatchSource, Torn, build_batch
 from opguard.staging.bundle import BatchWriteError, read_manifest, seal_name
 from opguard.staging.checkpoint import CHECKPOINT_FILE, PENDING_FILE, Checkpoint, Pending, save_checkpoint
@@ -30,7 +31,6 @@ from opguard.staging.config import StagingConfig
 from opguard.staging.fsutil import create_exclusive, dump_json, fsync_dir, read_json_nofollow
 from opguard.staging.layout import NODE_COPY_DIRNAME, RANKS_DIRNAME, WRITER_TMP_PREFIX, Layout, node_stream
 from opguard.staging.names import parse_rank_stream
-from opguard.staging.plan import Item, select_batch
 from opguard.staging.publish import Bucket, remove_stale_tmp, upload
 from opguard.staging.ratelimit import TokenBucket, Unlimited
 from opguard.staging.scan import Change, detect, walk
@@ -39,11 +39,11 @@ from opguard.staging.units import format_bytes
 
 TORN_RETRIES = 3
 
-Progress = Callable[[str], None]
+SyncProgress = Callable[[str], None]
 
 
 @dataclass
-class StreamReport:
+class StreamSyncReport:
     stream: str
     batches: int = 0
     payload_bytes: int = 0
@@ -66,7 +66,7 @@ class StreamReport:
 @dataclass
 class SyncReport:
     final: bool
-    streams: list[StreamReport] = field(default_factory=list)
+    streams: list[StreamSyncReport] = field(default_factory=list)
     seconds: float = 0.0
     error: str | None = None  # a problem of the whole staging base / target (also set on every stream)
     error_code: int = 0
@@ -143,8 +143,8 @@ class _Ctx:
     kind: str
     rank: int | None
     bucket: Bucket
-    progress: Progress
-    report: StreamReport
+    progress: SyncProgress
+    report: StreamSyncReport
     uploading: Any  # the sync's own uploads take turns on this (then on the node upload lock)
     zstd_threads: int = 0
     skipped_changed: bool = False
@@ -486,8 +486,8 @@ def zstd_workers(builders: int) -> int:
     return max(1, min(math.ceil(idle) // builders, cpus // builders, MAX_ZSTD_WORKERS // builders))
 
 
-def _sync_one(config: StagingConfig, layout: Layout, sr: StreamReport, final: bool, node_id: str, tb: Bucket,
-              say: Progress, zstd_threads: int, uploading: Any) -> StreamReport:
+def _sync_one(config: StagingConfig, layout: Layout, sr: StreamSyncReport, final: bool, node_id: str, tb: Bucket,
+              say: SyncProgress, zstd_threads: int, uploading: Any) -> StreamSyncReport:
     stream = sr.stream
     ts = time.monotonic()
     try:
@@ -519,7 +519,7 @@ def _sync_one(config: StagingConfig, layout: Layout, sr: StreamReport, final: bo
     return sr
 
 
-def _worker_lost(sr: StreamReport, why: str) -> StreamReport:
+def _worker_lost(sr: StreamSyncReport, why: str) -> StreamSyncReport:
     sr.fail(PublishError(
         f"stream {sr.stream}: {why}; what it had not published stays in the staging "
         "directory (pending or unread), nothing partial is visible on the target",
@@ -529,7 +529,7 @@ def _worker_lost(sr: StreamReport, why: str) -> StreamReport:
 
 
 def sync_streams(config: StagingConfig, layout: Layout, streams: Sequence[str], *, final: bool = False,
-                 node_id: str, progress: Progress | None = None, bucket: Bucket | None = None,
+                 node_id: str, progress: SyncProgress | None = None, bucket: Bucket | None = None,
                  workers: int | None = None, processes: bool | None = None) -> SyncReport:
     """Sync each stream (periodic: at most one batch each; ``final``: drain and seal).
 
@@ -538,7 +538,7 @@ def sync_streams(config: StagingConfig, layout: Layout, streams: Sequence[str], 
     processes (:mod:`opguard.staging.forkpool`; ``processes``: None = ``OPGUARD_SYNC_WORKERS``, whose
     ``auto`` forks where that is safe, False = threads, True = processes or ``ValueError``); their
     uploads take turns. Errors are
-    recorded per stream (``StreamReport.error``/``exit_code``) and never stop the other streams;
+    recorded per stream (``StreamSyncReport.error``/``exit_code``) and never stop the other streams;
     identity errors that concern the whole staging base apply to every stream.
     """
     t0 = time.monotonic()
@@ -548,7 +548,7 @@ def sync_streams(config: StagingConfig, layout: Layout, streams: Sequence[str], 
             raise ConfigError("OPGUARD_SYNC_WORKERS=processes, but forking stream workers is not safe here (it "
                               "needs Linux and a caller running a single thread)",
                               "unset OPGUARD_SYNC_WORKERS (auto) or set it to threads")
-    say: Progress = progress or (lambda _msg: None)
+    say: SyncProgress = progress or (lambda _msg: None)
     report = SyncReport(final=final)
     try:
         try:
@@ -561,13 +561,13 @@ def sync_streams(config: StagingConfig, layout: Layout, streams: Sequence[str], 
     except OpguardError as err:
         report.error, report.error_code = str(err), err.exit_code
         for stream in streams:
-            sr = StreamReport(stream)
+            sr = StreamSyncReport(stream)
             sr.fail(err)
             report.streams.append(sr)
         report.seconds = time.monotonic() - t0
         return report
     tb: Bucket = bucket if bucket is not None else TokenBucket(config.rate_bytes_per_s)
-    report.streams = [StreamReport(stream) for stream in streams]
+    report.streams = [StreamSyncReport(stream) for stream in streams]
     n = stream_workers(len(streams)) if workers is None else max(1, min(workers, len(streams)))
     # the node stream is the node's metadata (small): it compresses inline and leaves the CPUs to the
     # rank streams (the per-rank wrapper's `--rank R --node` is one big stream, not two)
@@ -590,7 +590,7 @@ def sync_streams(config: StagingConfig, layout: Layout, streams: Sequence[str], 
         raise ValueError("processes=True needs Linux, a single-threaded caller and opguard's own bucket")
     uploading: Any = mutex if mutex is not None else threading.Lock()
 
-    def one(sr: StreamReport) -> StreamReport:
+    def one(sr: StreamSyncReport) -> StreamSyncReport:
         return _sync_one(config, layout, sr, final, node_id, tb, say,
                          zthreads if parse_rank_stream(sr.stream) is not None else 0, uploading)
 
