@@ -542,23 +542,11 @@ def sync_streams(config: StagingConfig, layout: Layout, streams: Sequence[str], 
     identity errors that concern the whole staging base apply to every stream.
     """
     t0 = time.monotonic()
-    if processes is None and config.sync_workers != "auto":
-        processes = config.sync_workers == "processes"
-        if processes and not forkpool.available():
-            raise ConfigError("OPGUARD_SYNC_WORKERS=processes, but forking stream workers is not safe here (it "
-                              "needs Linux and a caller running a single thread)",
-                              "unset OPGUARD_SYNC_WORKERS (auto) or set it to threads")
+    processes = _processes_wanted(config, processes)
     say: SyncProgress = progress or (lambda _msg: None)
     report = SyncReport(final=final)
-    try:
-        try:
-            ensure_target(config, layout, node_id)
-        except OSError as e:  # e.g. a full target while format.json is created: no traceback, exit 4
-            raise PublishError(f"recording the run identity on the target failed: {e.strerror or e} "
-                               f"(errno {e.errno}, {e.filename or staging_of(config).bundles})",
-                               "free space or quota on the shared target (or fix its permissions) and sync "
-                               "again; nothing was published") from None
-    except OpguardError as err:
+    err = _prepare_target(config, layout, node_id)
+    if err is not None:  # a problem of the whole target: every stream fails with it
         report.error, report.error_code = str(err), err.exit_code
         for stream in streams:
             sr = StreamSyncReport(stream)
@@ -574,20 +562,7 @@ def sync_streams(config: StagingConfig, layout: Layout, streams: Sequence[str], 
     ranks = sum(1 for st in streams if parse_rank_stream(st) is not None)
     zthreads = zstd_workers(min(n, ranks)) if ranks else 0
     own = tb if isinstance(tb, TokenBucket | Unlimited) else None  # one the workers can share
-    forked = n > 1 and processes is not False and forkpool.available() and own is not None
-    mutex: forkpool.ProcessMutex | None = None
-    if forked:
-        try:
-            mutex = forkpool.ProcessMutex()
-        except OSError as e:  # no temporary file for the mutex: threads need none
-            if processes:
-                tmpdir = os.environ.get("TMPDIR", "unset")
-                raise ConfigError(f"forked stream workers need a temporary file for their upload mutex, and "
-                                  f"creating one failed: {e.strerror or e} (TMPDIR={tmpdir})",
-                                  "point TMPDIR at a writable directory, or set OPGUARD_SYNC_WORKERS=threads") from None
-            forked = False
-    if processes and not forked and n > 1:
-        raise ValueError("processes=True needs Linux, a single-threaded caller and opguard's own bucket")
+    mutex = _fork_mutex(n, processes, own)
     uploading: Any = mutex if mutex is not None else threading.Lock()
 
     def one(sr: StreamSyncReport) -> StreamSyncReport:
@@ -598,7 +573,7 @@ def sync_streams(config: StagingConfig, layout: Layout, streams: Sequence[str], 
         if n == 1:
             for sr in report.streams:
                 one(sr)
-        elif forked:
+        elif mutex is not None:  # forked workers
             def before_fork() -> None:
                 crashpoints.share()
                 if own is not None:
@@ -613,3 +588,48 @@ def sync_streams(config: StagingConfig, layout: Layout, streams: Sequence[str], 
             mutex.close()
     report.seconds = time.monotonic() - t0
     return report
+
+
+def _processes_wanted(config: StagingConfig, processes: bool | None) -> bool | None:
+    """``sync_streams``' ``processes`` with ``OPGUARD_SYNC_WORKERS`` applied (None: auto)."""
+    if processes is None and config.sync_workers != "auto":
+        processes = config.sync_workers == "processes"
+        if processes and not forkpool.available():
+            raise ConfigError("OPGUARD_SYNC_WORKERS=processes, but forking stream workers is not safe here (it "
+                              "needs Linux and a caller running a single thread)",
+                              "unset OPGUARD_SYNC_WORKERS (auto) or set it to threads")
+    return processes
+
+
+def _prepare_target(config: StagingConfig, layout: Layout, node_id: str) -> OpguardError | None:
+    """Record or check the run identity on the target (``ensure_target``); the error, if any."""
+    try:
+        try:
+            ensure_target(config, layout, node_id)
+        except OSError as e:  # e.g. a full target while format.json is created: no traceback, exit 4
+            raise PublishError(f"recording the run identity on the target failed: {e.strerror or e} "
+                               f"(errno {e.errno}, {e.filename or staging_of(config).bundles})",
+                               "free space or quota on the shared target (or fix its permissions) and sync "
+                               "again; nothing was published") from None
+    except OpguardError as err:
+        return err
+    return None
+
+
+def _fork_mutex(n: int, processes: bool | None, own: TokenBucket | Unlimited | None) -> forkpool.ProcessMutex | None:
+    """The upload mutex of forked stream workers, or None where the streams run in threads (or
+    one at a time): forked only with several workers, ``processes`` not False, forking safe here
+    and a bucket the workers can share."""
+    mutex: forkpool.ProcessMutex | None = None
+    if n > 1 and processes is not False and forkpool.available() and own is not None:
+        try:
+            mutex = forkpool.ProcessMutex()
+        except OSError as e:  # no temporary file for the mutex: threads need none
+            if processes:
+                tmpdir = os.environ.get("TMPDIR", "unset")
+                raise ConfigError(f"forked stream workers need a temporary file for their upload mutex, and "
+                                  f"creating one failed: {e.strerror or e} (TMPDIR={tmpdir})",
+                                  "point TMPDIR at a writable directory, or set OPGUARD_SYNC_WORKERS=threads") from None
+    if processes and mutex is None and n > 1:
+        raise ValueError("processes=True needs Linux, a single-threaded caller and opguard's own bucket")
+    return mutex
