@@ -26,6 +26,13 @@ TARGET_TMP_PREFIX = ".tmp-"
 STATE_DIRNAME = "state"
 # the legacy format read, never written (§9)
 SNAPSHOT_NAME = "sync.tar.gz"
+# a rank's capture files (``docs/capture.md`` §2): written by capture, read by compare, checked by
+# opguard-run; here because staging is the lowest layer all three import
+CAPTURE_DIRNAME = "capture"
+CAPTURE_META_FILE = "meta.json"
+CAPTURE_TRACE_FILE = "trace.jsonl"
+CAPTURE_CALLSITES_FILE = "callsites.json"
+CAPTURE_SOURCES_FILE = "sources.json"
 # stream IDs (§2): rank-<R:06d> and node-<node ID>; parsed by ``names.parse_stream``
 RANK_STREAM_PREFIX = "rank-"
 NODE_STREAM_PREFIX = "node-"
