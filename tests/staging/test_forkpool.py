@@ -18,7 +18,7 @@ import pytest
 
 from opguard.staging import forkpool
 from opguard.staging.ratelimit import TokenBucket
-from tests.test_sync_support import forked_workers, kill_and_check_workers_die
+from tests.helpers.sync import forked_workers, kill_and_check_workers_die
 
 pytestmark = pytest.mark.skipif(not forkpool.available(), reason="forkpool needs Linux and a single-threaded caller")
 

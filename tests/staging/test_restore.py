@@ -21,7 +21,7 @@ from opguard.staging.restore import (
     rename_noreplace,
     verify,
 )
-from tests.test_restore_support import (
+from tests.helpers.restore import (
     add_batch,
     batches,
     cli,
