@@ -22,6 +22,7 @@ from opguard.staging import names
 from opguard.staging.fsutil import dumps_json, loads_json, open_regular
 
 FORMAT_VERSION = 2
+FORMAT_NAME = "opguard-bundles"  # the "format" field of the target's format.json (docs/format.md §5.1)
 HEADER_MAGIC = b"OPGBATCH"
 FOOTER_MAGIC = b"OPGBEND\0"
 HEADER = struct.Struct("<8sII")

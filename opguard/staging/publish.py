@@ -19,9 +19,9 @@ from typing import Protocol
 from opguard.errors import IdentityError, PublishError
 from opguard.staging import crashpoints
 from opguard.staging.fsutil import fsync_dir
+from opguard.staging.layout import TARGET_TMP_PREFIX
 
 CHUNK = 1 << 20
-TARGET_TMP_PREFIX = ".tmp-"
 
 
 class Bucket(Protocol):

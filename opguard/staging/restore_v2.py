@@ -19,6 +19,7 @@ from opguard.errors import IdentityError, IntegrityError, OpguardError
 from opguard.staging import names
 from opguard.staging.bundle import (
     BATCH_SUFFIX,
+    FORMAT_NAME,
     FORMAT_VERSION,
     SEAL_SUFFIX,
     BatchInfo,
@@ -78,7 +79,7 @@ def read_format(bundles: Path, bfd: int) -> str:
         data = read_small_json(FORMAT_FILE, bfd, path)
     except (OSError, ValueError) as e:
         raise IntegrityError(f"{path} is unreadable or not a regular file ({e})", _FIX_TARGET) from None
-    if not isinstance(data, dict) or data.get("format") != "opguard-bundles":
+    if not isinstance(data, dict) or data.get("format") != FORMAT_NAME:
         raise IntegrityError(f"{path} is not an opguard-bundles identity file", "check that SOURCE is an opguard run")
     version = data.get("version")
     if not isinstance(version, int) or isinstance(version, bool) or version < 2:

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from opguard.errors import ConfigError, IdentityError, LockTimeout
-from opguard.staging.bundle import FORMAT_VERSION, parse_batch_name, parse_seal_name
+from opguard.staging.bundle import FORMAT_NAME, FORMAT_VERSION, parse_batch_name, parse_seal_name
 from opguard.staging.checkpoint import CHECKPOINT_FILE, PENDING_FILE, Checkpoint, Pending, load_checkpoint, load_pending
 from opguard.staging.config import StagingConfig
 from opguard.staging.dirs import TARGET_MODE, creatable_problem, ensure_dir
@@ -84,7 +84,7 @@ def read_format(bundles: Path) -> dict[str, Any] | None:
         return None
     except (OSError, ValueError) as e:
         raise IdentityError(f"{path} is unreadable ({e})", NEW_RUN_FIX) from None
-    if not isinstance(d, dict) or d.get("format") != "opguard-bundles":
+    if not isinstance(d, dict) or d.get("format") != FORMAT_NAME:
         raise IdentityError(f"{path} is not an opguard target identity file", NEW_RUN_FIX)
     return d
 
@@ -290,7 +290,7 @@ def ensure_target(config: StagingConfig, layout: Layout, node_id: str) -> None:
     if fmt is None:
         s.bundles.mkdir(parents=True, exist_ok=True)  # streams/ only after format.json: a crash between
         # the two must not leave a target that readers take for one whose format.json was lost
-        doc = {"format": "opguard-bundles", "version": FORMAT_VERSION, "run_id": s.run_id,
+        doc = {"format": FORMAT_NAME, "version": FORMAT_VERSION, "run_id": s.run_id,
                "created_at": time.time(), "created_by": node_id}
         if not create_exclusive(s.bundles / FORMAT_FILE, dump_json(doc)):
             fmt = read_format(s.bundles)  # another node won the race
