@@ -1,7 +1,7 @@
 """One capture session per process: where records go, the bounded buffer, the digest cache, the cap.
 
 The interception layers (``mode.py``, ``dispatch.py``, ``collectives.py``) call
-:meth:`Session.begin` / :meth:`Session.finish`; tensor work is queued on the device and fetched
+:meth:`Session.begin` / :meth:`Session.outputs`; tensor work is queued on the device and fetched
 with one stacked ``.cpu()`` per device, kind and dtype every ``buffer`` records (``docs/capture.md`` §8).
 """
 

@@ -19,10 +19,11 @@ from pathlib import Path
 from typing import Any
 
 from opguard.errors import ConfigError, OpguardError
-from opguard.staging.checkpoint import load_checkpoint
+from opguard.staging.bundle import batch_name, seal_name
+from opguard.staging.checkpoint import CHECKPOINT_FILE, load_checkpoint
 from opguard.staging.config import StagingConfig, env_bool
 from opguard.staging.fsutil import atomic_replace_bytes
-from opguard.staging.layout import BUNDLES_DIRNAME, Layout
+from opguard.staging.layout import BUNDLES_DIRNAME, NODE_STREAM_PREFIX, STREAMS_DIRNAME, Layout
 
 ATTEMPTS_FILE = "attempts.json"
 ATTEMPTS_VERSION = 1
@@ -65,7 +66,7 @@ def sealed_streams(config: StagingConfig, layout: Layout) -> list[SealedStream]:
     out: list[SealedStream] = []
     for name in names:
         try:
-            cp = load_checkpoint(sd / name / "checkpoint.json")
+            cp = load_checkpoint(sd / name / CHECKPOINT_FILE)
         except OpguardError:
             continue  # the uploader's own checks report a damaged checkpoint
         if cp is None or cp.sealed_sequence is None or cp.sealed_sequence != cp.next_sequence - 1:
@@ -73,7 +74,7 @@ def sealed_streams(config: StagingConfig, layout: Layout) -> list[SealedStream]:
         sealed_at: float | None = None
         host: str | None = None
         assert config.target is not None
-        seal = config.target / BUNDLES_DIRNAME / "streams" / name / f"{cp.sealed_sequence:012d}.seal"
+        seal = config.target / BUNDLES_DIRNAME / STREAMS_DIRNAME / name / seal_name(cp.sealed_sequence)
         try:
             doc = json.loads(seal.read_bytes())
             sealed_at = float(doc["sealed_at"]) if isinstance(doc.get("sealed_at"), int | float) else None
@@ -181,7 +182,7 @@ def _next_sequences(layout: Layout) -> dict[str, int]:
         return out
     for name in names:
         try:
-            cp = load_checkpoint(sd / name / "checkpoint.json")
+            cp = load_checkpoint(sd / name / CHECKPOINT_FILE)
         except OpguardError:
             continue
         if cp is not None:
@@ -236,16 +237,16 @@ def published_attempts(source: Path) -> dict[str, list[dict[str, Any]]]:
     from opguard.staging.bundle import iter_entries, read_manifest
     from opguard.staging.target import list_batches
 
-    streams = source / BUNDLES_DIRNAME / "streams"
+    streams = source / BUNDLES_DIRNAME / STREAMS_DIRNAME
     try:
-        names = sorted(n for n in os.listdir(streams) if n.startswith("node-"))
+        names = sorted(n for n in os.listdir(streams) if n.startswith(NODE_STREAM_PREFIX))
     except (FileNotFoundError, NotADirectoryError):
         return {}
     out: dict[str, list[dict[str, Any]]] = {}
     for name in names:
         sdir = streams / name
         for seq, digest in reversed(list_batches(sdir)):
-            path = sdir / f"{seq:012d}-{digest}.ogb"
+            path = sdir / batch_name(seq, digest)
             try:
                 info = read_manifest(path)
                 if not any(e.get("path") == ATTEMPTS_FILE and e.get("op") == "file"
@@ -263,7 +264,7 @@ def published_attempts(source: Path) -> dict[str, list[dict[str, Any]]]:
             except (OpguardError, OSError, ValueError):
                 break
             if isinstance(doc, dict) and isinstance(doc.get("attempts"), list):
-                out[name.removeprefix("node-")] = [a for a in doc["attempts"] if isinstance(a, dict)]
+                out[name.removeprefix(NODE_STREAM_PREFIX)] = [a for a in doc["attempts"] if isinstance(a, dict)]
             break
     return out
 
@@ -277,7 +278,7 @@ def finish_attempt(config: StagingConfig, layout: Layout, node_id: str, number: 
 
     stream = node_stream(node_id)
     try:
-        cp = load_checkpoint(layout.stream_state_dir(stream) / "checkpoint.json")
+        cp = load_checkpoint(layout.stream_state_dir(stream) / CHECKPOINT_FILE)
     except OpguardError:
         cp = None
     sealed = cp is not None and cp.sealed_sequence is not None and cp.sealed_sequence == cp.next_sequence - 1
