@@ -29,6 +29,13 @@ from opguard.capture.options import CaptureOptions
 from opguard.capture.sourceindex import SourceIndex
 from opguard.errors import ConfigError
 from opguard.staging.identity import process_identity
+from opguard.staging.layout import (
+    CAPTURE_CALLSITES_FILE,
+    CAPTURE_DIRNAME,
+    CAPTURE_META_FILE,
+    CAPTURE_SOURCES_FILE,
+    CAPTURE_TRACE_FILE,
+)
 from opguard.staging.writers import JsonlWriter, open_jsonl, rank_dir, write_rank_file
 
 SEGMENT_BYTES = 64 << 20
@@ -37,7 +44,7 @@ _DTYPE_NAMES = {d: str(d).removeprefix("torch.") for d in (
     torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16, torch.int8,
     torch.uint8, torch.bool)}
 CACHE_ENTRIES = 8192
-TRACE = "capture/trace.jsonl"
+TRACE = f"{CAPTURE_DIRNAME}/{CAPTURE_TRACE_FILE}"
 
 
 def _dense(t: torch.Tensor) -> bool:
@@ -121,8 +128,8 @@ class Session:
         self.options = options
         self.who = process_identity(environ)  # the writers' and the launcher's resolver (docs/launcher.md §1)
         self.rank = self.who.rank
-        self.dir = rank_dir(self.rank, environ) / "capture"
-        if (self.dir / "meta.json").exists():
+        self.dir = rank_dir(self.rank, environ) / CAPTURE_DIRNAME
+        if (self.dir / CAPTURE_META_FILE).exists():
             raise ConfigError(f"{self.dir} already holds a capture (meta.json): traces of two runs would mix",
                               "use a new OPGUARD_TRACE_OUTPUT_BASE (or run ID) for every captured run")
         self.env = environ
@@ -676,9 +683,9 @@ class Session:
     def _write_tables(self) -> None:
         if self.sites.dirty:
             self.sites.dirty = False
-            self._write_atomic("callsites.json", self.sites.as_json(self.rank))
+            self._write_atomic(CAPTURE_CALLSITES_FILE, self.sites.as_json(self.rank))
             if self.sources.add(self.sites.files):
-                self._write_atomic("sources.json", self.sources.as_json(self.rank))
+                self._write_atomic(CAPTURE_SOURCES_FILE, self.sources.as_json(self.rank))
 
     def _write_meta(self, final: bool) -> None:
         meta = {
@@ -694,7 +701,7 @@ class Session:
             "cap_reached": self.cap_reached, "dropped": self.dropped, "trace": TRACE,
             "step_source": self.step_source, "notes": self.notes + self._failure_notes(),
             "fast_path_off": self.fast_path_off, "record_noise": self.options.record_noise}
-        self._write_atomic("meta.json", meta)
+        self._write_atomic(CAPTURE_META_FILE, meta)
 
     def _failure_notes(self) -> list[str]:
         return [f"capture's own {stage} failed {n} time(s) with {kind}; the program ran unchanged "
@@ -750,10 +757,10 @@ class Session:
             self.writer.write_line(records.encode({"v": records.VERSION, "kind": "end", "rank": self.rank,
                                                    "records": self.records, "cap_reached": self.cap_reached}))
             self._write_tables()
-            if self.sources.add(self.sites.files) or not (self.dir / "sources.json").exists():
-                self._write_atomic("sources.json", self.sources.as_json(self.rank))
-            if not (self.dir / "callsites.json").exists():
-                self._write_atomic("callsites.json", self.sites.as_json(self.rank))
+            if self.sources.add(self.sites.files) or not (self.dir / CAPTURE_SOURCES_FILE).exists():
+                self._write_atomic(CAPTURE_SOURCES_FILE, self.sources.as_json(self.rank))
+            if not (self.dir / CAPTURE_CALLSITES_FILE).exists():
+                self._write_atomic(CAPTURE_CALLSITES_FILE, self.sites.as_json(self.rank))
             self._write_meta(final=True)
         finally:
             self.closed = True
