@@ -37,13 +37,13 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from tests.hostile_support import (  # noqa: E402
+from tests.helpers.hostile import (  # noqa: E402
     bomb_manifest_frame,
     oversized_header_archive,
     split_batch,
     write_batch,
 )
-from tests.test_restore_support import add_batch, batches, make_target, seal  # noqa: E402
+from tests.helpers.restore import add_batch, batches, make_target, seal  # noqa: E402
 
 RSS_GOAL = 256 << 20
 _MEASURE = ("import resource, subprocess, sys, time\n"

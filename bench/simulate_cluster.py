@@ -5,7 +5,7 @@ Nothing here re-models what the project already decides. The simulation calls, o
 clock:
 
 * ``opguard.launcher.schedule.stagger_offset`` — when each node's periodic syncs start;
-* ``opguard.staging.plan.select_batch`` — which pending data the next batch of a stream takes
+* ``opguard.staging.batchplan.select_batch`` — which pending data the next batch of a stream takes
   (one batch per stream per periodic sync; several for a final drain);
 * ``opguard.staging.ratelimit.TokenBucket`` — the per-node cap, with an injected ``clock`` and
   ``sleep`` that advance the node's virtual time instead of waiting;
@@ -60,7 +60,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from opguard.launcher import schedule
-from opguard.staging.plan import Item, select_batch
+from opguard.staging.batchplan import Item, select_batch
 from opguard.staging.ratelimit import TokenBucket
 
 MIB = 1 << 20

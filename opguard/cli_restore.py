@@ -11,12 +11,14 @@ from opguard.cli import handle_errors, main
 from opguard.errors import OpguardError
 
 
-def _attempt_lines(source: Path) -> list[str]:
-    """Every node's attempts, as published (``docs/format.md`` §4.1)."""
-    from opguard.staging.attempts import describe, published_attempts
+def _attempt_lines(source: Path, restored: Path | None = None) -> list[str]:
+    """Every node's attempts (``docs/format.md`` §4.1): as published under SOURCE, or, after a
+    restore, as the restore verified and wrote them under ``restored`` (no second read of SOURCE)."""
+    from opguard.staging.attempts import describe, published_attempts, restored_attempts
 
+    found = published_attempts(source) if restored is None else restored_attempts(restored)
     lines = []
-    for node, attempts in sorted(published_attempts(source).items()):
+    for node, attempts in sorted(found.items()):
         lines += [f"node {node} {describe(a)}" for a in attempts]
     return lines
 
@@ -46,11 +48,8 @@ def materialize_cmd(source: Path, dest: Path, require_sealed: bool) -> None:
     make_dest_parents(source, dest)
     report = materialize(source, dest, require_sealed=require_sealed)
     click.echo(f"opguard: restored {_summary(report)} into {report.dest}", err=True)
-    for line in _attempt_lines(source):
+    for line in _attempt_lines(source, Path(report.dest)):
         click.echo(f"opguard: {line}", err=True)
-    from opguard.staging.attempts import write_provenance
-
-    write_provenance(source, Path(report.dest))  # which attempt each file's last version came from
     click.echo(report.dest)
 
 

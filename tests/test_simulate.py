@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from opguard.launcher import schedule
-from opguard.staging import plan as batch_plan
+from opguard.staging import batchplan as batch_plan
 from tests.conftest import REPO
 
 MIB = 1 << 20

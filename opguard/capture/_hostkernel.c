@@ -10,6 +10,15 @@
  *   digest         compute S of mix64-v1 (docs/capture.md §5.1) over the bytes, as an unsigned int
  *   stats          compute the statistics row over the elements
  *
+ * entry(addr, n, code, stats) -> (digest hex, statistics dict | row | None)
+ *
+ *   the finished entry values of a new contiguous tensor of n elements of element type code (the
+ *   common case of capture's tensor entries, one call): the printed digest fmix64(S ^ fmix64(n)) as
+ *   16 lowercase hex digits, and with stats the JSON statistics {"min", "max", "mean", "std",
+ *   "absmax", "nan", "inf"} computed exactly as the host's all-finite formula (docs/capture.md
+ *   §3.3); when an element is not finite or mean/std overflow, the raw row of summary() instead,
+ *   for the host's general formula.
+ *
  * The values are exactly those of the definition, whatever the instruction set: the loops work
  * lane-wise on explicit 8-lane vectors (GCC vector extensions) in a fixed order, floating-point
  * contraction is off (-ffp-contract=off in setup.py), and every target clone runs the same
@@ -333,9 +342,91 @@ static PyObject *summary(PyObject *self, PyObject *args) {
     return out;
 }
 
+static uint64_t fmix64(uint64_t z) {
+    z ^= z >> 33;
+    z *= 0xFF51AFD7ED558CCDULL;
+    z ^= z >> 33;
+    z *= 0xC4CEB9FE1A85EC53ULL;
+    z ^= z >> 33;
+    return z;
+}
+
+static PyObject *k_min, *k_max, *k_mean, *k_std, *k_absmax, *k_nan, *k_inf, *zero;
+
+static int put(PyObject *d, PyObject *key, PyObject *v) {
+    if (v == NULL) return -1;
+    int rc = PyDict_SetItem(d, key, v);
+    Py_DECREF(v);
+    return rc;
+}
+
+static PyObject *entry(PyObject *self, PyObject *args) {
+    (void)self;
+    unsigned long long addr;
+    Py_ssize_t n;
+    int code, sts;
+    if (!PyArg_ParseTuple(args, "Knip", &addr, &n, &code, &sts)) return NULL;
+    if (n <= 0 || pick(code, 1, 1) == NULL) {
+        PyErr_Format(PyExc_ValueError, "entry needs n > 0 and a known element code (n %zd, code %d)", n, code);
+        return NULL;
+    }
+    if (!addr) {
+        PyErr_SetString(PyExc_ValueError, "null data pointer");
+        return NULL;
+    }
+    size_t nbytes = (size_t)n * itemsize(code);
+    result_t r;
+    const uint8_t *p = (const uint8_t *)(uintptr_t)addr;
+    if (nbytes >= NOGIL_BYTES) {
+        Py_BEGIN_ALLOW_THREADS
+        run(p, nbytes, code, 1, sts, &r);
+        Py_END_ALLOW_THREADS
+    } else {
+        run(p, nbytes, code, 1, sts, &r);
+    }
+    char hex[17];
+    snprintf(hex, sizeof hex, "%016llx", (unsigned long long)fmix64(r.s ^ fmix64((uint64_t)n)));
+    PyObject *h = PyUnicode_FromStringAndSize(hex, 16);
+    if (h == NULL) return NULL;
+    PyObject *st = NULL;
+    if (sts) {
+        double mean = r.sum / (double)n, std = 0.0;
+        if (n > 1) {
+            double var = (r.sq - r.sum * r.sum / (double)n) / (double)(n - 1);
+            std = var > 0.0 ? pow(var, 0.5) : 0.0;  /* Python's var ** 0.5 is libm's pow */
+        }
+        if (r.nonfinite == 0 && isfinite(mean) && isfinite(std)) {
+            double amn = fabs(r.mn), amx = fabs(r.mx);
+            st = PyDict_New();
+            if (st != NULL && (put(st, k_min, PyFloat_FromDouble(r.mn)) < 0 ||
+                               put(st, k_max, PyFloat_FromDouble(r.mx)) < 0 ||
+                               put(st, k_mean, PyFloat_FromDouble(mean)) < 0 ||
+                               put(st, k_std, PyFloat_FromDouble(std)) < 0 ||
+                               put(st, k_absmax, PyFloat_FromDouble(amx > amn ? amx : amn)) < 0 ||
+                               PyDict_SetItem(st, k_nan, zero) < 0 || PyDict_SetItem(st, k_inf, zero) < 0)) {
+                Py_CLEAR(st);
+            }
+        } else {
+            st = Py_BuildValue("(ddddKK)", r.mn, r.mx, r.sum, r.sq, (unsigned long long)r.nonfinite,
+                               (unsigned long long)r.inf);
+        }
+        if (st == NULL) { Py_DECREF(h); return NULL; }
+    } else {
+        Py_INCREF(Py_None);
+        st = Py_None;
+    }
+    PyObject *out = PyTuple_New(2);
+    if (out == NULL) { Py_DECREF(h); Py_DECREF(st); return NULL; }
+    PyTuple_SetItem(out, 0, h);
+    PyTuple_SetItem(out, 1, st);
+    return out;
+}
+
 static PyMethodDef methods[] = {
     {"summary", summary, METH_VARARGS,
      "summary(addr, nbytes, code, digest, stats) -> (S | None, (min, max, sum, sumsq, nonfinite, inf) | None)"},
+    {"entry", entry, METH_VARARGS,
+     "entry(addr, n, code, stats) -> (digest hex, statistics dict | (min, max, sum, sumsq, nonfinite, inf) | None)"},
     {NULL, NULL, 0, NULL},
 };
 
@@ -347,6 +438,15 @@ static struct PyModuleDef module = {
 
 PyMODINIT_FUNC PyInit__hostkernel(void) {
     for (size_t j = 0; j < TABLE_LEN; j++) table[j] = splitmix_output(TABLE_SEED, j);
+    k_min = PyUnicode_InternFromString("min");
+    k_max = PyUnicode_InternFromString("max");
+    k_mean = PyUnicode_InternFromString("mean");
+    k_std = PyUnicode_InternFromString("std");
+    k_absmax = PyUnicode_InternFromString("absmax");
+    k_nan = PyUnicode_InternFromString("nan");
+    k_inf = PyUnicode_InternFromString("inf");
+    zero = PyLong_FromLong(0);
+    if (!k_min || !k_max || !k_mean || !k_std || !k_absmax || !k_nan || !k_inf || !zero) return NULL;
     PyObject *m = PyModule_Create(&module);
     if (m == NULL) return NULL;
     if (PyModule_AddIntConstant(m, "TABLE_BITS", TABLE_BITS) < 0 ||

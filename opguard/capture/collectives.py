@@ -16,6 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from opguard.capture.frames import standin
 from opguard.capture.mode import tensors_in
 from opguard.capture.session import Session
 
@@ -51,6 +52,7 @@ def _wrap(session: Session, name: str, orig: Callable[..., Any]) -> Callable[...
         s = session
         if not s.active or s.busy or torch.compiler.is_dynamo_compiling():
             return orig(*args, **kwargs)
+        via = standin(sys._getframe(1))  # calls from a frame that reads as the caller's (frames.py)
         call = None
         try:
             bound = sig.bind(*args, **kwargs)
@@ -70,15 +72,15 @@ def _wrap(session: Session, name: str, orig: Callable[..., Any]) -> Callable[...
             is_async = name in ASYNC_ALWAYS or bool(arguments.get("async_op", False))
         except TypeError as err:
             if call is None:
-                return orig(*args, **kwargs)  # arguments that do not bind: let torch raise its own error
+                return via(orig, args, kwargs)  # arguments that do not bind: let torch raise its own error
             s.failed("recording", err, call)
-            return orig(*args, **kwargs)
+            return via(orig, args, kwargs)
         except Exception as err:
             s.failed("recording", err, call)
-            return orig(*args, **kwargs)
+            return via(orig, args, kwargs)
         s.parents.append(rec["seq"])
         try:
-            result = orig(*args, **kwargs)
+            result = via(orig, args, kwargs)
         except BaseException as e:
             rec["error"] = f"{type(e).__name__}: {e}"[:500]
             raise

@@ -16,6 +16,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from opguard.capture import records
+from opguard.capture.frames import standin
 from opguard.capture.mode import _split, tensors_in
 from opguard.capture.session import Call, Session
 
@@ -51,8 +52,11 @@ class AtenMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
                            kwargs: Mapping[str, Any] | None = None) -> Any:
         kwargs = kwargs or {}
         s = self.session
-        if s.busy or not s.active or func.namespace != "aten" or func._opname in _SKIP:
+        if s.busy:
             return func(*args, **kwargs)
+        via = standin(sys._getframe(1))  # calls from a frame that reads as the caller's (frames.py)
+        if not s.active or func.namespace != "aten" or func._opname in _SKIP:
+            return via(func, args, kwargs)
         name = f"aten::{func._opname}.{func._overloadname}"
         node: Any = torch._C._current_autograd_node()
         fwd: dict[str, Any] | None = None
@@ -60,7 +64,7 @@ class AtenMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
             meta = node.metadata
             fwd = meta.get(META_KEY) if meta is not None else None
         if not s.selected(name, s.module, s.context):
-            return func(*args, **kwargs)
+            return via(func, args, kwargs)
         call: Call | None = None
         try:
             site = s.sites.lookup(sys._getframe(1))
@@ -84,11 +88,11 @@ class AtenMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
         except Exception as err:
             s.failed("recording", err, call)
         if call is None:
-            return func(*args, **kwargs)
+            return via(func, args, kwargs)
         rec = call.rec
         s.parents.append(rec["seq"])
         try:
-            result = func(*args, **kwargs)
+            result = via(func, args, kwargs)
         except BaseException as e:
             rec["error"] = f"{type(e).__name__}: {e}"[:500]
             raise

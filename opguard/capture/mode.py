@@ -16,6 +16,10 @@ Two rules keep the program as it is without capture (``docs/capture.md`` §11):
   session (stderr once per stage and kind, ``capture_error`` on the record) and the op runs exactly
   as without capture. Only the op's own exception propagates.
 
+The handler calls the function through a stand-in for its caller (``frames.py``), so warnings raised
+inside it (``stacklevel``, PyTorch's C++ warnings) name the caller's file, line and module as without
+capture.
+
 Under ``torch.compile`` tracing the mode does nothing (``torch.compiler.is_dynamo_compiling()``): Dynamo
 sees a plain call.
 """
@@ -29,13 +33,16 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
-from torch.overrides import TorchFunctionMode, redispatch_function
+from torch.overrides import TorchFunctionMode
 
 from opguard.capture import records
+from opguard.capture.frames import standin
 from opguard.capture.session import Call, Session
 
 _OPS = (torch._ops.OpOverload, torch._ops.OpOverloadPacket)
 _compiling = torch.compiler.is_dynamo_compiling  # False in eager code, True while Dynamo traces
+_skip_one_hop = torch._C._skip_one_hop_torch_function  # redispatch_function without its Python frame
+_getframe = sys._getframe
 
 
 def tensors_in(value: Any, slot: str) -> Iterator[tuple[str, torch.Tensor]]:
@@ -67,6 +74,7 @@ def input_slots(args: Sequence[Any], kwargs: Mapping[str, Any], method: bool) ->
 
 _Tensor, _Parameter = torch.Tensor, torch.nn.Parameter
 _names_get = records._names.get
+_UNINITIALIZED_FNS = records.UNINITIALIZED_FNS
 _isfinite = math.isfinite
 
 
@@ -129,13 +137,17 @@ class CaptureMode(TorchFunctionMode):
             return func(*args, **(kwargs or {}))
         kwargs = kwargs or {}
         s = self.session
-        if s.busy or isinstance(func, _OPS):  # capture's own work; torch.ops (the dispatch level's)
+        if s.busy:  # capture's own work
             return func(*args, **kwargs)
+        caller = _getframe(1)
+        via = standin(caller)  # calls from a frame that reads as the caller's (frames.py)
+        if isinstance(func, _OPS):  # torch.ops (the dispatch level's)
+            return via(func, args, kwargs)
         inflight = self.inflight
         if inflight:
             f0, a0 = inflight[-1]
             if f0 is func and (args[0] if args else None) is a0:
-                return func(*args, **kwargs)  # PyTorch came back for the call being handled: run it
+                return via(func, args, kwargs)  # PyTorch came back for the call being handled: run it
         try:
             try:
                 hit = _names_get(func)  # the cache of records.function_name, read here (one call less)
@@ -144,10 +156,10 @@ class CaptureMode(TorchFunctionMode):
             name, kind = hit if hit is not None else records.function_name(func)
         except Exception as err:
             s.failed("recording", err)
-            return func(*args, **kwargs)
+            return via(func, args, kwargs)
         if ((kind and (kind == records.METADATA or not self.noise)) or s.cap_reached or s.closed
                 or not (s.all_steps or s.step in s.options.steps)):  # not s.active, without the calls
-            return func(*args, **kwargs)
+            return via(func, args, kwargs)
         # only Python-level torch functions call other torch functions: re-enter the mode for them
         reenter = self.nested and isinstance(func, pytypes.FunctionType)
         call: Call | None = None
@@ -157,21 +169,28 @@ class CaptureMode(TorchFunctionMode):
             module = modules[-1] if modules else None  # s.module, s.context
             context = "/".join(contexts) if contexts else None
             if s.select_all or s.selected(name, module, context):
-                site = s.sites.lookup(sys._getframe(1))
+                site = s.sites.lookup(caller)
                 call = s.begin("function", name, site, where=(module, context))
                 ins, xs = split_args(args, kwargs, name.startswith("Tensor."))
                 if xs:
                     call.rec["args"] = xs
                 entry, put = s.entry, call.rec["inputs"].append  # s.inputs(call, ins), one call less
+                fast = s._entry_fast if s.host_digest and not s._uninit else None  # what entry() tries first
                 for slot, t in ins:
-                    put(entry(call, slot, t, False))
+                    ent = None
+                    if fast is not None:
+                        try:
+                            ent = fast(call, slot, t, False, False)
+                        except Exception:  # entry() below says what failed
+                            ent = None
+                    put(ent if ent is not None else entry(call, slot, t, False))
                 if s.policy.enabled and not s.parents and s.policy.wants(s.step, name, module, context, site):
                     s.dump(call.rec["seq"], ins)
                     dump_out = True
         except Exception as err:
             s.failed("recording", err, call)
         if call is None and not reenter:
-            return func(*args, **kwargs)
+            return via(func, args, kwargs)
         if call is not None:
             s.parents.append(call.rec["seq"])
         try:
@@ -179,11 +198,11 @@ class CaptureMode(TorchFunctionMode):
                 inflight.append((func, args[0] if args else None))
                 try:
                     with self:
-                        result = redispatch_function(func, types, args, kwargs)  # type: ignore[no-untyped-call]
+                        result = via(_skip_one_hop, (func, types, args, kwargs), {})
                 finally:
                     inflight.pop()
             else:
-                result = func(*args, **kwargs)
+                result = via(func, args, kwargs)
         except BaseException as e:
             if call is not None:
                 call.rec["error"] = f"{type(e).__name__}: {e}"[:500]
@@ -196,13 +215,26 @@ class CaptureMode(TorchFunctionMode):
         try:
             if not s.cap_reached:
                 outs = [("out", result)] if type(result) is _Tensor else list(tensors_in(result, "out"))
-                s.outputs(call, outs, uninitialized=name in records.UNINITIALIZED_FNS)
+                if name in _UNINITIALIZED_FNS:
+                    s.outputs(call, outs, uninitialized=True)
+                else:  # s.outputs(call, outs), with entry()'s fast path tried here (one or two calls less)
+                    entry, put = s.entry, call.rec["outputs"].append
+                    fast = s._entry_fast if s.host_digest and not s._uninit else None
+                    for slot, t in outs:
+                        ent = None
+                        if fast is not None:
+                            try:
+                                ent = fast(call, slot, t, True, False)
+                            except Exception:  # entry() below says what failed
+                                ent = None
+                        put(ent if ent is not None else entry(call, slot, t, True))
                 if dump_out:
                     s.dump(call.rec["seq"], [(f"{slot}", t) for slot, t in outs])
                 if self.on_output is not None:
                     self.on_output(call, outs)
         except Exception as err:
             s.failed("recording", err, call)
-        s.maybe_flush_contained()
+        if len(s.pending) >= s.buffer and not s.parents:
+            s.maybe_flush_contained()
         return result
 

@@ -12,12 +12,11 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from opguard.errors import ConfigError
+from opguard.staging.config import FALSE_WORDS, TRUE_WORDS
 
 LEVELS = ("function", "dispatch")
 DIGEST_MODES = ("full", "sample", "xor", "none")
 HOST_KERNELS = ("auto", "native", "torch")
-_TRUE = {"1", "true", "yes", "on"}
-_FALSE = {"0", "false", "no", "off", ""}
 
 
 @dataclass(frozen=True)
@@ -202,9 +201,9 @@ def _convert(name: str, raw: Any, what: str) -> Any:
         if isinstance(raw, bool):
             return raw
         text = str(raw).strip().lower()
-        if text in _TRUE:
+        if text in TRUE_WORDS:
             return True
-        if text in _FALSE:
+        if text in FALSE_WORDS:
             return False
         raise ConfigError(f"{what}={raw!r} is not a boolean", f"set {what} to 1 or 0")
     return str(raw).strip().lower()

@@ -1,7 +1,7 @@
 """One capture session per process: where records go, the bounded buffer, the digest cache, the cap.
 
 The interception layers (``mode.py``, ``dispatch.py``, ``collectives.py``) call
-:meth:`Session.begin` / :meth:`Session.finish`; tensor work is queued on the device and fetched
+:meth:`Session.begin` / :meth:`Session.outputs`; tensor work is queued on the device and fetched
 with one stacked ``.cpu()`` per device, kind and dtype every ``buffer`` records (``docs/capture.md`` §8).
 """
 
@@ -29,6 +29,13 @@ from opguard.capture.options import CaptureOptions
 from opguard.capture.sourceindex import SourceIndex
 from opguard.errors import ConfigError
 from opguard.staging.identity import process_identity
+from opguard.staging.layout import (
+    CAPTURE_CALLSITES_FILE,
+    CAPTURE_DIRNAME,
+    CAPTURE_META_FILE,
+    CAPTURE_SOURCES_FILE,
+    CAPTURE_TRACE_FILE,
+)
 from opguard.staging.writers import JsonlWriter, open_jsonl, rank_dir, write_rank_file
 
 SEGMENT_BYTES = 64 << 20
@@ -37,7 +44,7 @@ _DTYPE_NAMES = {d: str(d).removeprefix("torch.") for d in (
     torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16, torch.int8,
     torch.uint8, torch.bool)}
 CACHE_ENTRIES = 8192
-TRACE = "capture/trace.jsonl"
+TRACE = f"{CAPTURE_DIRNAME}/{CAPTURE_TRACE_FILE}"
 
 
 def _dense(t: torch.Tensor) -> bool:
@@ -98,6 +105,9 @@ def _moments_json(mn: float, mx: float, total: float, squares: float, nonfinite:
             "nan": 0, "inf": 0}
 
 
+_FINISH, _MOMENTS_JSON = finish, _moments_json  # what the native kernel's entry() computes
+
+
 def _json_stats(st: dict[str, float | int]) -> dict[str, Any]:
     return {k: (records.json_float(x) if isinstance(x, float) else x) for k, x in st.items()}
 
@@ -118,8 +128,8 @@ class Session:
         self.options = options
         self.who = process_identity(environ)  # the writers' and the launcher's resolver (docs/launcher.md §1)
         self.rank = self.who.rank
-        self.dir = rank_dir(self.rank, environ) / "capture"
-        if (self.dir / "meta.json").exists():
+        self.dir = rank_dir(self.rank, environ) / CAPTURE_DIRNAME
+        if (self.dir / CAPTURE_META_FILE).exists():
             raise ConfigError(f"{self.dir} already holds a capture (meta.json): traces of two runs would mix",
                               "use a new OPGUARD_TRACE_OUTPUT_BASE (or run ID) for every captured run")
         self.env = environ
@@ -127,6 +137,13 @@ class Session:
         # CPU tensors: the native one-pass kernel (hostkernel.py), else the same PyTorch ops as on accelerators
         self.host = hostkernel.resolve(options.host_kernel, warn=self.who.local_rank == 0)
         self.host_digest = self.host is not None and options.digest == "full"
+        # the kernel's one-call entry values (digest hex + statistics dict): exactly the host's finish()
+        # and _moments_json(), done in C; None with a kernel built before it existed, and while either
+        # host step is not the module's own (an instrumented or fault-injected one is honoured)
+        own = globals()
+        self.host_entry: Any = (getattr(self.host, "entry", None) if self.host_digest and own["finish"] is _FINISH
+                                and own["_moments_json"] is _MOMENTS_JSON else None)
+        self.buffer = options.buffer  # records held before a flush (read per op)
         self.sites = SiteTable()
         self.sources = SourceIndex()
         self.policy = DumpPolicy(options)
@@ -359,19 +376,36 @@ class Session:
         if s is not None and (s.ref is None or s.ref() is None):  # self._lookup(key), inline
             s = None
         if s is None:  # self._fast_host(t, key, n, code if output else None), inline
-            kernel: Any = self.host  # not None: the caller checked host_digest
-            S, row = kernel.summary(ptr, n * t.element_size(), code if output else -1, True, output)
             s = _Summary(None, None, n)
-            s.hex = finish(S, n)
-            if row is not None:
-                mn, mx, total, squares, nonfinite, inf = row
-                s.values = _moments_json(mn, mx, total, squares, nonfinite, inf, n)
+            native = self.host_entry
+            if native is not None:  # digest and statistics finished by the kernel, one call
+                s.hex, row = native(ptr, n, code, output)
+                if row is not None:
+                    if type(row) is dict:
+                        s.values = row
+                    else:  # a non-finite element or overflowing moments: the general formula
+                        mn, mx, total, squares, nonfinite, inf = row
+                        s.values = _json_stats(finish_moments(mn, mx, total, squares, nonfinite, inf, n))
+            else:
+                kernel: Any = self.host  # not None: the caller checked host_digest
+                S, row = kernel.summary(ptr, n * t.element_size(), code if output else -1, True, output)
+                s.hex = finish(S, n)
+                if row is not None:
+                    mn, mx, total, squares, nonfinite, inf = row
+                    s.values = _moments_json(mn, mx, total, squares, nonfinite, inf, n)
             self._remember(key, s, t)
         elif output and not s.has_stats:
             return None
-        e: dict[str, Any] = {"slot": slot, "dtype": _DTYPE_NAMES.get(dtype) or records.dtype_name(dtype),
-                             "shape": list(t.shape), "device": "cpu", "digest": None}
-        if s.digest is None and s.hex is None:
+        hexed, values = s.hex, s.values
+        if hexed is not None and (values is not None or not output):  # known now: written in, no fill
+            e: dict[str, Any] = {"slot": slot, "dtype": _DTYPE_NAMES.get(dtype) or records.dtype_name(dtype),
+                                 "shape": list(t.shape), "device": "cpu", "digest": hexed}
+            if output:
+                e["stats"] = values
+            return e
+        e = {"slot": slot, "dtype": _DTYPE_NAMES.get(dtype) or records.dtype_name(dtype),
+             "shape": list(t.shape), "device": "cpu", "digest": None}
+        if s.digest is None and hexed is None:
             e["reason"] = "digest mode none"
         if output:
             e["stats"] = None
@@ -649,9 +683,9 @@ class Session:
     def _write_tables(self) -> None:
         if self.sites.dirty:
             self.sites.dirty = False
-            self._write_atomic("callsites.json", self.sites.as_json(self.rank))
+            self._write_atomic(CAPTURE_CALLSITES_FILE, self.sites.as_json(self.rank))
             if self.sources.add(self.sites.files):
-                self._write_atomic("sources.json", self.sources.as_json(self.rank))
+                self._write_atomic(CAPTURE_SOURCES_FILE, self.sources.as_json(self.rank))
 
     def _write_meta(self, final: bool) -> None:
         meta = {
@@ -667,7 +701,7 @@ class Session:
             "cap_reached": self.cap_reached, "dropped": self.dropped, "trace": TRACE,
             "step_source": self.step_source, "notes": self.notes + self._failure_notes(),
             "fast_path_off": self.fast_path_off, "record_noise": self.options.record_noise}
-        self._write_atomic("meta.json", meta)
+        self._write_atomic(CAPTURE_META_FILE, meta)
 
     def _failure_notes(self) -> list[str]:
         return [f"capture's own {stage} failed {n} time(s) with {kind}; the program ran unchanged "
@@ -723,10 +757,10 @@ class Session:
             self.writer.write_line(records.encode({"v": records.VERSION, "kind": "end", "rank": self.rank,
                                                    "records": self.records, "cap_reached": self.cap_reached}))
             self._write_tables()
-            if self.sources.add(self.sites.files) or not (self.dir / "sources.json").exists():
-                self._write_atomic("sources.json", self.sources.as_json(self.rank))
-            if not (self.dir / "callsites.json").exists():
-                self._write_atomic("callsites.json", self.sites.as_json(self.rank))
+            if self.sources.add(self.sites.files) or not (self.dir / CAPTURE_SOURCES_FILE).exists():
+                self._write_atomic(CAPTURE_SOURCES_FILE, self.sources.as_json(self.rank))
+            if not (self.dir / CAPTURE_CALLSITES_FILE).exists():
+                self._write_atomic(CAPTURE_CALLSITES_FILE, self.sites.as_json(self.rank))
             self._write_meta(final=True)
         finally:
             self.closed = True

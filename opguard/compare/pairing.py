@@ -229,8 +229,3 @@ def pair_streams(keys_a: Sequence[int], keys_b: Sequence[int],
         for j in seg_b:
             reason_b[j] = ANCHOR_ORDER_CONFLICT if j in conflict_b else why
     return result
-
-
-def unpaired(n: int, reason: str) -> tuple[array[int], list[str | None]]:
-    """An op list with no counterpart at all (a stream present in one run only)."""
-    return array("q", [-1]) * n, [reason] * n

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import os
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -449,7 +448,3 @@ def iter_jsonl(path: Path, start: int = 0) -> Iterator[tuple[int, int, dict[str,
             if obj.__class__ is not dict:
                 raise bad_line(path, n, here, start, None)
             yield n, here, obj
-
-
-def finite(x: float | None) -> bool:
-    return x is not None and math.isfinite(x)

@@ -18,7 +18,7 @@ from pathlib import Path
 from opguard.errors import ConfigError
 from opguard.launcher.identity import Identity
 from opguard.staging.config import StagingConfig
-from opguard.staging.layout import RANKS_DIRNAME, Layout
+from opguard.staging.layout import CAPTURE_DIRNAME, CAPTURE_META_FILE, RANK_STREAM_PREFIX, RANKS_DIRNAME, Layout
 
 _PYTHON_RE = re.compile(r"^python[0-9.]*$")
 FIND_TORCH = "import importlib.util, sys; sys.exit(0 if importlib.util.find_spec('torch') else 3)"
@@ -63,12 +63,13 @@ def _leftovers(config: StagingConfig | None, identity: Identity) -> list[ConfigE
     if capture_root(config) is None:
         return [ConfigError("--capture needs somewhere to write: OPGUARD_TRACE_OUTPUT_BASE is not set and local "
                             "staging is off", "export OPGUARD_TRACE_OUTPUT_BASE=/absolute/path (or enable staging)")]
-    held = [d / "capture" for d in _rank_dirs(config, identity) if (d / "capture" / "meta.json").exists()]
+    held = [d / CAPTURE_DIRNAME for d in _rank_dirs(config, identity)
+            if (d / CAPTURE_DIRNAME / CAPTURE_META_FILE).exists()]
     if not held:
         return []
     more = f" (and {len(held) - 1} more)" if len(held) > 1 else ""
-    return [ConfigError(f"{held[0]}{more} already holds a capture (meta.json) from an earlier run: capture would "
-                        "refuse it in every process at `import torch`, after the job started",
+    return [ConfigError(f"{held[0]}{more} already holds a capture ({CAPTURE_META_FILE}) from an earlier run: "
+                        "capture would refuse it in every process at `import torch`, after the job started",
                         "use a new OPGUARD_TRACE_OUTPUT_BASE / OPGUARD_LOCAL_DUMP_TARGET and a fresh "
                         "OPGUARD_LOCAL_DUMP_BASE for every captured run (or remove the old capture directories)")]
 
@@ -137,7 +138,8 @@ def start_line(env: Mapping[str, str], config: StagingConfig | None) -> str:
                                               ("contexts", o.contexts)) if v]
     selection = f"steps {o.steps}, " + (" ".join(sel) if sel else "every op")
     root = capture_root(config)
-    where = f"{root}/{RANKS_DIRNAME}/rank-*/capture/" if root is not None else "(nowhere: not configured)"
+    where = (f"{root}/{RANKS_DIRNAME}/{RANK_STREAM_PREFIX}*/{CAPTURE_DIRNAME}/" if root is not None
+             else "(nowhere: not configured)")
     if config is not None and config.enabled:
         where += f", published to {config.target}"
     dumps = f", tensor dumps at steps {o.dump_steps}" if str(o.dump_steps) != "none" else ""

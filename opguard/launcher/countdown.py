@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import shutil
 import subprocess
-import time
 from collections.abc import Mapping
 from datetime import datetime
 
@@ -59,13 +58,6 @@ def end_time(env: Mapping[str, str], timeout: float = 10.0) -> float | None:
         if t is not None:
             return t
     return None
-
-
-def seconds_left(env: Mapping[str, str], now: float | None = None) -> float | None:
-    end = end_time(env)
-    if end is None:
-        return None
-    return end - (time.time() if now is None else now)
 
 
 def lead_seconds(pending_bytes: float, cap_mib_s: float) -> float:

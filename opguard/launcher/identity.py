@@ -17,7 +17,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from opguard.errors import ConfigError
-from opguard.staging.identity import SLURM, Environment, read_environment, resolve_process
+from opguard.staging.identity import SLURM, Environment, Problems, Reading, read_environment, resolve_process
 
 # ---------------------------------------------------------------------------------------------
 # torchrun arguments
@@ -194,8 +194,7 @@ def resolve(env: Mapping[str, str] | None = None, cmd: Sequence[str] = (), hostn
 
 
 def _resolve_torchrun(cmd: Sequence[str], seen: Environment) -> Identity:
-    ov, winner, slurm, node_id, problems, sources, notes = (seen.overrides, seen.winner, seen.slurm, seen.node_id,
-                                                            seen.problems, seen.sources, seen.notes)
+    winner, node_id, problems, sources, notes = seen.winner, seen.node_id, seen.problems, seen.sources, seen.notes
     try:
         t = parse_torchrun(cmd)
     except ConfigError as e:
@@ -208,26 +207,30 @@ def _resolve_torchrun(cmd: Sequence[str], seen: Environment) -> Identity:
                      "--ntasks-per-node=1 opguard-run torchrun ...), not under mpirun")
     node_count = t.nnodes_max
     sources["node_count"] = "torchrun --nnodes" + (" (MAX of MIN:MAX)" if t.nnodes_min != t.nnodes_max else "")
+    node_index = _torchrun_node_index(t, seen, sources)
+    world = t.nproc_per_node * node_count if t.nproc_per_node is not None and t.nnodes_min == t.nnodes_max else None
+    if t.nproc_per_node is None:
+        notes.append(f"--nproc-per-node={t.nproc_spec}: torchrun decides the worker count")
+    if t.rdzv_backend == "c10d" or t.nnodes_min != t.nnodes_max:
+        notes.append("ranks are assigned at rendezvous: the wrapper syncs every rank directory under its local base")
+    if not t.script:
+        problems.add("opguard-run torchrun: no training program after torchrun's options",
+                     "opguard-run torchrun --nproc-per-node=N train.py ...")
+    return Identity("torchrun", None, world, 0, t.nproc_per_node, node_index, node_count, node_id, sources,
+                    notes, torchrun=t)
+
+
+def _torchrun_node_index(t: TorchrunArgs, seen: Environment, sources: dict[str, str]) -> int | None:
+    """Which node this torchrun agent is: --node-rank, Slurm's node ID or OPGUARD_NODE_INDEX (each
+    checked against the others and against --nnodes); problems go to ``seen.problems``."""
+    ov, slurm, problems = seen.overrides, seen.slurm, seen.problems
+    node_count = t.nnodes_max
     node_index: int | None = None
     if t.node_rank is not None:
         node_index = t.node_rank
         sources["node_index"] = "torchrun --node-rank"
     if slurm is not None:
-        if slurm.local_size is not None and slurm.local_size > 1:
-            problems.add(f"Slurm runs {slurm.local_size} tasks of this step on this node, so torchrun would start "
-                         f"{slurm.local_size} agents per node (srun ignores --ntasks-per-node=1 it cannot honour)",
-                         "run srun -n \"$SLURM_NNODES\" --ntasks-per-node=1 opguard-run torchrun ...")
-        if slurm.node_index is not None:
-            if node_index is not None and node_index != slurm.node_index:
-                problems.add(f"torchrun --node-rank={node_index} disagrees with SLURM_NODEID={slurm.node_index}",
-                             "drop --node-rank under srun, or pass --node-rank=$SLURM_NODEID")
-            elif node_index is None:
-                node_index = slurm.node_index
-                sources["node_index"] = "SLURM_NODEID (Slurm)"
-        if slurm.node_count is not None and not t.nnodes_min <= slurm.node_count <= t.nnodes_max:
-            spec = f"{t.nnodes_min}:{t.nnodes_max}" if t.nnodes_max != t.nnodes_min else str(t.nnodes_min)
-            problems.add(f"torchrun --nnodes={spec} but this srun step spans {slurm.node_count} nodes",
-                         "pass --nnodes=$SLURM_NNODES")
+        node_index = _torchrun_under_slurm(t, slurm, node_index, problems, sources)
     if ov.node_index is not None:
         if node_index is not None and node_index != ov.node_index:
             problems.add(f"OPGUARD_NODE_INDEX={ov.node_index} disagrees with {sources['node_index']}={node_index}",
@@ -248,13 +251,26 @@ def _resolve_torchrun(cmd: Sequence[str], seen: Environment) -> Identity:
         problems.add(f"node index {node_index} ({sources.get('node_index')}) is not below "
                      f"torchrun --nnodes={node_count}",
                      "fix --node-rank / --nnodes")
-    world = t.nproc_per_node * node_count if t.nproc_per_node is not None and t.nnodes_min == t.nnodes_max else None
-    if t.nproc_per_node is None:
-        notes.append(f"--nproc-per-node={t.nproc_spec}: torchrun decides the worker count")
-    if t.rdzv_backend == "c10d" or t.nnodes_min != t.nnodes_max:
-        notes.append("ranks are assigned at rendezvous: the wrapper syncs every rank directory under its local base")
-    if not t.script:
-        problems.add("opguard-run torchrun: no training program after torchrun's options",
-                     "opguard-run torchrun --nproc-per-node=N train.py ...")
-    return Identity("torchrun", None, world, 0, t.nproc_per_node, node_index, node_count, node_id, sources,
-                    notes, torchrun=t)
+    return node_index
+
+
+def _torchrun_under_slurm(t: TorchrunArgs, slurm: Reading, node_index: int | None, problems: Problems,
+                          sources: dict[str, str]) -> int | None:
+    """torchrun under srun: one agent per node, the node index from SLURM_NODEID unless --node-rank
+    gave one (then they must agree), and --nnodes spanning the step's nodes."""
+    if slurm.local_size is not None and slurm.local_size > 1:
+        problems.add(f"Slurm runs {slurm.local_size} tasks of this step on this node, so torchrun would start "
+                     f"{slurm.local_size} agents per node (srun ignores --ntasks-per-node=1 it cannot honour)",
+                     "run srun -n \"$SLURM_NNODES\" --ntasks-per-node=1 opguard-run torchrun ...")
+    if slurm.node_index is not None:
+        if node_index is not None and node_index != slurm.node_index:
+            problems.add(f"torchrun --node-rank={node_index} disagrees with SLURM_NODEID={slurm.node_index}",
+                         "drop --node-rank under srun, or pass --node-rank=$SLURM_NODEID")
+        elif node_index is None:
+            node_index = slurm.node_index
+            sources["node_index"] = "SLURM_NODEID (Slurm)"
+    if slurm.node_count is not None and not t.nnodes_min <= slurm.node_count <= t.nnodes_max:
+        spec = f"{t.nnodes_min}:{t.nnodes_max}" if t.nnodes_max != t.nnodes_min else str(t.nnodes_min)
+        problems.add(f"torchrun --nnodes={spec} but this srun step spans {slurm.node_count} nodes",
+                     "pass --nnodes=$SLURM_NNODES")
+    return node_index

@@ -36,6 +36,7 @@ import psutil
 from opguard.launcher.claim import boot_id, machine_id
 from opguard.launcher.identity import Identity, is_torchrun
 from opguard.staging.fsutil import dump_json
+from opguard.staging.layout import CAPTURE_DIRNAME, CAPTURE_SOURCES_FILE
 from opguard.staging.writers import write_file_atomic
 
 ENV_PREFIXES = ("SLURM_", "SLURMD_", "OMPI_", "PMI_", "PMIX_", "MV2_", "MPI_", "HYDRA_", "I_MPI_", "TORCHELASTIC_",
@@ -207,7 +208,7 @@ def add_capture_sources(node_dir: Path, ranks_dir: Path) -> tuple[int, list[str]
         files[key] = {"path": path, "sha256": digest, "copy": None, "error": why}
         problems.append(f"{path} was not copied into the node metadata: {why}")
 
-    for sources in sorted(ranks_dir.glob("*/capture/sources.json")):
+    for sources in sorted(ranks_dir.glob(f"*/{CAPTURE_DIRNAME}/{CAPTURE_SOURCES_FILE}")):
         try:
             doc = json.loads(sources.read_text())
         except (OSError, ValueError) as e:

@@ -10,6 +10,8 @@ import hashlib
 import math
 from dataclasses import dataclass
 
+from opguard.staging.config import MIB
+
 JITTER_FRACTION = 0.05  # of one node's slot (interval / node_count)
 
 
@@ -70,9 +72,7 @@ def warning_seconds(pending_bytes: float, cap_mib_s: float, margin: float = 1.5,
 
 # ---- cluster sizing: the numbers `docs/sizing.md` derives and `bench/simulate_cluster.py` checks ----
 
-MIB = 2**20
 OPS_PER_BATCH = 2  # one create (the hidden .tmp-* file) + one rename (publication)
-OPS_PER_SEAL = 2  # one create (temporary) + one link (create-if-absent publication)
 
 
 def upload_seconds_per_interval(node_bytes_per_s: float, interval: float, cap_mib_s: float) -> float:

@@ -19,10 +19,11 @@ from pathlib import Path
 from typing import Any
 
 from opguard.errors import ConfigError, OpguardError
-from opguard.staging.checkpoint import load_checkpoint
+from opguard.staging.bundle import batch_name, seal_name
+from opguard.staging.checkpoint import CHECKPOINT_FILE, load_checkpoint
 from opguard.staging.config import StagingConfig, env_bool
 from opguard.staging.fsutil import atomic_replace_bytes
-from opguard.staging.layout import BUNDLES_DIRNAME, Layout
+from opguard.staging.layout import BUNDLES_DIRNAME, NODE_STREAM_PREFIX, STREAMS_DIRNAME, Layout
 
 ATTEMPTS_FILE = "attempts.json"
 ATTEMPTS_VERSION = 1
@@ -65,7 +66,7 @@ def sealed_streams(config: StagingConfig, layout: Layout) -> list[SealedStream]:
     out: list[SealedStream] = []
     for name in names:
         try:
-            cp = load_checkpoint(sd / name / "checkpoint.json")
+            cp = load_checkpoint(sd / name / CHECKPOINT_FILE)
         except OpguardError:
             continue  # the uploader's own checks report a damaged checkpoint
         if cp is None or cp.sealed_sequence is None or cp.sealed_sequence != cp.next_sequence - 1:
@@ -73,7 +74,7 @@ def sealed_streams(config: StagingConfig, layout: Layout) -> list[SealedStream]:
         sealed_at: float | None = None
         host: str | None = None
         assert config.target is not None
-        seal = config.target / BUNDLES_DIRNAME / "streams" / name / f"{cp.sealed_sequence:012d}.seal"
+        seal = config.target / BUNDLES_DIRNAME / STREAMS_DIRNAME / name / seal_name(cp.sealed_sequence)
         try:
             doc = json.loads(seal.read_bytes())
             sealed_at = float(doc["sealed_at"]) if isinstance(doc.get("sealed_at"), int | float) else None
@@ -181,7 +182,7 @@ def _next_sequences(layout: Layout) -> dict[str, int]:
         return out
     for name in names:
         try:
-            cp = load_checkpoint(sd / name / "checkpoint.json")
+            cp = load_checkpoint(sd / name / CHECKPOINT_FILE)
         except OpguardError:
             continue
         if cp is not None:
@@ -236,16 +237,16 @@ def published_attempts(source: Path) -> dict[str, list[dict[str, Any]]]:
     from opguard.staging.bundle import iter_entries, read_manifest
     from opguard.staging.target import list_batches
 
-    streams = source / BUNDLES_DIRNAME / "streams"
+    streams = source / BUNDLES_DIRNAME / STREAMS_DIRNAME
     try:
-        names = sorted(n for n in os.listdir(streams) if n.startswith("node-"))
+        names = sorted(n for n in os.listdir(streams) if n.startswith(NODE_STREAM_PREFIX))
     except (FileNotFoundError, NotADirectoryError):
         return {}
     out: dict[str, list[dict[str, Any]]] = {}
     for name in names:
         sdir = streams / name
         for seq, digest in reversed(list_batches(sdir)):
-            path = sdir / f"{seq:012d}-{digest}.ogb"
+            path = sdir / batch_name(seq, digest)
             try:
                 info = read_manifest(path)
                 if not any(e.get("path") == ATTEMPTS_FILE and e.get("op") == "file"
@@ -263,7 +264,7 @@ def published_attempts(source: Path) -> dict[str, list[dict[str, Any]]]:
             except (OpguardError, OSError, ValueError):
                 break
             if isinstance(doc, dict) and isinstance(doc.get("attempts"), list):
-                out[name.removeprefix("node-")] = [a for a in doc["attempts"] if isinstance(a, dict)]
+                out[name.removeprefix(NODE_STREAM_PREFIX)] = [a for a in doc["attempts"] if isinstance(a, dict)]
             break
     return out
 
@@ -277,7 +278,7 @@ def finish_attempt(config: StagingConfig, layout: Layout, node_id: str, number: 
 
     stream = node_stream(node_id)
     try:
-        cp = load_checkpoint(layout.stream_state_dir(stream) / "checkpoint.json")
+        cp = load_checkpoint(layout.stream_state_dir(stream) / CHECKPOINT_FILE)
     except OpguardError:
         cp = None
     sealed = cp is not None and cp.sealed_sequence is not None and cp.sealed_sequence == cp.next_sequence - 1
@@ -306,41 +307,58 @@ def attempt_of(attempts: list[dict[str, Any]], stream: str, sequence: int) -> in
     return found
 
 
-def provenance(source: Path) -> dict[str, Any]:
-    """For every restored path (``ranks/rank-<R>/...``, ``nodes/<id>/...``): the attempt, node and
-    batch sequence its last version came from (``docs/format.md`` §8). Reads manifests only."""
-    from opguard.staging.bundle import read_manifest
-    from opguard.staging.target import list_batches
+def restored_attempts(root: Path) -> dict[str, list[dict[str, Any]]]:
+    """Node ID -> attempts, from the ``nodes/<id>/attempts.json`` a restore just verified and wrote
+    into ``root`` (its private partial tree): the same last published version that
+    :func:`published_attempts` reads from the target, without reading the target a second time.
+    Read without following links and bounded by ATTEMPTS_MAX_BYTES; an unreadable file yields
+    nothing for its node."""
+    from opguard.staging.layout import NODES_DIRNAME
 
-    published = published_attempts(source)
-    streams = source / BUNDLES_DIRNAME / "streams"
-    files: dict[str, dict[str, Any]] = {}
+    out: dict[str, list[dict[str, Any]]] = {}
     try:
-        names = sorted(os.listdir(streams))
+        nodes = sorted(os.listdir(root / NODES_DIRNAME))
     except (FileNotFoundError, NotADirectoryError):
-        names = []
-    for name in names:
-        sdir = streams / name
-        for seq, digest in list_batches(sdir):
-            try:
-                m = read_manifest(sdir / f"{seq:012d}-{digest}.ogb").manifest
-            except (OpguardError, OSError):
-                break  # verify/materialize report it; nothing is restored from a damaged stream
-            node = str(m.get("node_id"))
-            prefix = f"ranks/{name}" if m.get("kind") == "rank" else f"nodes/{node}"
-            attempt = attempt_of(published.get(node, []), name, seq)
-            for e in m.get("entries", []):
-                files[f"{prefix}/{e['path']}"] = {"attempt": attempt, "node_id": node, "stream": name,
-                                                  "sequence": seq}
-    return {"version": 1, "attempts": published, "files": dict(sorted(files.items()))}
+        return out
+    for node in nodes:
+        try:
+            fd = os.open(root / NODES_DIRNAME / node / ATTEMPTS_FILE, os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError:
+            continue
+        try:
+            data = os.read(fd, ATTEMPTS_MAX_BYTES + 1)
+        finally:
+            os.close(fd)
+        try:
+            doc = json.loads(data) if len(data) <= ATTEMPTS_MAX_BYTES else None
+        except ValueError:
+            doc = None
+        if isinstance(doc, dict) and isinstance(doc.get("attempts"), list):
+            out[node] = [a for a in doc["attempts"] if isinstance(a, dict)]
+    return out
 
 
-def write_provenance(source: Path, dest: Path) -> Path | None:
-    """``DEST/.opguard-attempts.json`` after a restore (temp file, fsync, rename, fsync), when the run
-    recorded attempts (a run made by ``opguard-run``); None otherwise."""
-    doc = provenance(source)
-    if not doc["attempts"]:
+def provenance(root: Path, origins: Mapping[str, Mapping[str, Any]]) -> dict[str, Any] | None:
+    """The ``.opguard-attempts.json`` document of a restored tree (``docs/format.md`` §8): for every
+    restored path of ``origins`` (path -> the stream, batch sequence and node ID its last entry came
+    from, as the restore applied it), the attempt of that node that published the batch; the
+    attempts as restored under ``root``. None when the run recorded no attempts."""
+    published = restored_attempts(root)
+    if not published:
         return None
-    path = dest / PROVENANCE_FILE
+    files = {rel: {"attempt": attempt_of(published.get(str(o["node_id"]), []), str(o["stream"]), int(o["sequence"])),
+                   "node_id": o["node_id"], "stream": o["stream"], "sequence": o["sequence"]}
+             for rel, o in sorted(origins.items())}
+    return {"version": 1, "attempts": published, "files": files}
+
+
+def write_provenance(root: Path, origins: Mapping[str, Mapping[str, Any]]) -> Path | None:
+    """``root/.opguard-attempts.json`` (temp file, fsync, rename, fsync) when the run recorded
+    attempts (a run made by ``opguard-run``); None otherwise. ``materialize`` calls it on the
+    partial tree, before the rename that publishes DEST."""
+    doc = provenance(root, origins)
+    if doc is None:
+        return None
+    path = root / PROVENANCE_FILE
     atomic_replace_bytes(path, json.dumps(doc, indent=1, sort_keys=True).encode() + b"\n")
     return path

@@ -14,6 +14,7 @@ from pathlib import Path
 from opguard.errors import IdentityError
 from opguard.staging.checkpoint import CHECKPOINT_FILE, PENDING_FILE, FileRecord, load_checkpoint, load_pending
 from opguard.staging.layout import RANKS_DIRNAME, Layout, node_stream, rank_stream
+from opguard.staging.names import parse_rank_stream
 from opguard.staging.scan import FileStat, walk
 
 
@@ -55,15 +56,11 @@ def rank_streams_present(layout: Layout) -> list[int]:
     base = layout.config.local_base
     if base is None:
         return []
-    ranks = []
     try:
         names = os.listdir(base / RANKS_DIRNAME)
     except OSError:
         return []
-    for name in names:
-        if name.startswith("rank-") and name[5:].isdigit():
-            ranks.append(int(name[5:]))
-    return sorted(ranks)
+    return sorted(r for name in names if (r := parse_rank_stream(name)) is not None)
 
 
 def backlog_bytes(layout: Layout, ranks: list[int] | None, node_id: str | None) -> int:

@@ -17,10 +17,10 @@ from pathlib import Path
 from typing import Any
 
 from opguard.staging import crashpoints
+from opguard.staging.batchplan import Take
 from opguard.staging.bundle import ZSTD_THREADS, BatchWriteError, BatchWriter, batch_name
-from opguard.staging.checkpoint import Checkpoint, FileRecord, Pending, save_pending
+from opguard.staging.checkpoint import PENDING_FILE, Checkpoint, FileRecord, Pending, save_pending
 from opguard.staging.fsutil import fsync_dir
-from opguard.staging.plan import Take
 from opguard.staging.scan import Change, FileStat, last_newline_end, tail_sha256
 
 
@@ -187,11 +187,11 @@ def build_batch(src: BatchSource, cp: Checkpoint, changes: Sequence[Change], del
     try:
         fsync_dir(pending_dir)
         crashpoints.hit("batch-renamed")
-        save_pending(src.state_dir / "pending.json", pending)  # the intent is durable before any upload
+        save_pending(src.state_dir / PENDING_FILE, pending)  # the intent is durable before any upload
     except OSError as e:
         # no pending.json names the batch: nothing was promised, do not leave it behind (a full disk)
-        (src.state_dir / "pending.json").unlink(missing_ok=True)  # none existed before this build
+        (src.state_dir / PENDING_FILE).unlink(missing_ok=True)  # none existed before this build
         (pending_dir / name).unlink(missing_ok=True)
-        raise BatchWriteError(src.state_dir / "pending.json", e) from None
+        raise BatchWriteError(src.state_dir / PENDING_FILE, e) from None
     crashpoints.hit("pending-saved")
     return pending, taken

@@ -22,6 +22,7 @@ from opguard.staging import names
 from opguard.staging.fsutil import dumps_json, loads_json, open_regular
 
 FORMAT_VERSION = 2
+FORMAT_NAME = "opguard-bundles"  # the "format" field of the target's format.json (docs/format.md §5.1)
 HEADER_MAGIC = b"OPGBATCH"
 FOOTER_MAGIC = b"OPGBEND\0"
 HEADER = struct.Struct("<8sII")
@@ -32,18 +33,36 @@ ZSTD_THREADS = 0  # BatchWriter's default: inline (a sync passes sync.zstd_worke
 ZSTD_JOB_SIZE = 2 << 20  # input per zstd job when threads > 0 (bounds what the workers buffer)
 
 
+BATCH_SUFFIX = ".ogb"
+SEAL_SUFFIX = ".seal"
+_DIGITS = frozenset("0123456789")
+
+
 def batch_name(sequence: int, digest: str) -> str:
-    return f"{sequence:012d}-{digest}.ogb"
+    """A batch file's name (``docs/format.md`` §5): ``<sequence:012d>-<sha256 hex>.ogb``."""
+    return f"{sequence:012d}-{digest}{BATCH_SUFFIX}"
 
 
 def parse_batch_name(name: str) -> tuple[int, str] | None:
     """(sequence, digest) for a well-formed batch name, else None."""
-    if not name.endswith(".ogb") or len(name) != 12 + 1 + 64 + 4 or name[12] != "-":
+    if not name.endswith(BATCH_SUFFIX) or len(name) != 12 + 1 + 64 + 4 or name[12] != "-":
         return None
     seq, digest = name[:12], name[13:77]
     if not seq.isdigit() or any(c not in "0123456789abcdef" for c in digest):
         return None
     return int(seq), digest
+
+
+def seal_name(sequence: int) -> str:
+    """The seal record of a stream whose last batch is ``sequence`` (``docs/format.md`` §5.2)."""
+    return f"{sequence:012d}{SEAL_SUFFIX}"
+
+
+def parse_seal_name(name: str) -> int | None:
+    """The sequence a well-formed seal name names, else None."""
+    if not name.endswith(SEAL_SUFFIX) or len(name) != 12 + len(SEAL_SUFFIX) or not _DIGITS.issuperset(name[:12]):
+        return None
+    return int(name[:12])
 
 
 class BatchWriteError(Exception):

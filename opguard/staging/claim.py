@@ -19,7 +19,7 @@ from pathlib import Path
 from opguard.errors import ConfigError
 from opguard.staging.config import StagingConfig
 from opguard.staging.fsutil import create_exclusive, dump_json, fsync_dir
-from opguard.staging.layout import BUNDLES_DIRNAME
+from opguard.staging.layout import BUNDLES_DIRNAME, CLAIMS_DIRNAME
 
 
 def _read_first_line(path: str) -> str:
@@ -53,11 +53,11 @@ class NodeIdConflict(ConfigError):
 
 
 def claim_path(target: Path, node_id: str) -> Path:
-    return target / BUNDLES_DIRNAME / "nodes" / f"{node_id}.json"
+    return target / BUNDLES_DIRNAME / CLAIMS_DIRNAME / f"{node_id}.json"
 
 
 def conflicts_dir(target: Path, node_id: str) -> Path:
-    return target / BUNDLES_DIRNAME / "nodes" / f"{node_id}.conflicts"
+    return target / BUNDLES_DIRNAME / CLAIMS_DIRNAME / f"{node_id}.conflicts"
 
 
 def claim_record(node_id: str, run_id: str) -> dict[str, object]:

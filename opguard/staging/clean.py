@@ -23,10 +23,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from opguard.errors import ConfigError, LockTimeout, OpguardError
-from opguard.staging.bundle import file_sha256, read_manifest
+from opguard.staging.bundle import batch_name, file_sha256, read_manifest, seal_name
 from opguard.staging.checkpoint import Checkpoint
 from opguard.staging.config import StagingConfig
-from opguard.staging.layout import Layout
+from opguard.staging.layout import STREAMS_DIRNAME, Layout
 from opguard.staging.scan import walk
 from opguard.staging.target import check_local_run, check_stream, list_batches, list_seals, staging_of
 
@@ -64,7 +64,7 @@ def _published_on_target(sdir: Path, cp: Checkpoint) -> str | None:
                 "local checkpoint says")
     prev: str | None = None
     for seq, digest in batches:
-        path = sdir / f"{seq:012d}-{digest}.ogb"
+        path = sdir / batch_name(seq, digest)
         if file_sha256(path) != digest:
             return f"batch {path} does not match the digest in its name (damaged on the target)"
         if read_manifest(path).manifest.get("prev_digest") != prev:
@@ -77,7 +77,7 @@ def _published_on_target(sdir: Path, cp: Checkpoint) -> str | None:
         return f"the target's current seal is {seals[-1] if seals else 'missing'}, not batch {head}"
     from opguard.staging.fsutil import read_json
 
-    seal_path = sdir / f"{head:012d}.seal"
+    seal_path = sdir / seal_name(head)
     seal = read_json(seal_path)
     named = seal.get("last_digest") if isinstance(seal, dict) else None
     if named != cp.head_digest:
@@ -113,7 +113,7 @@ def _check(config: StagingConfig, layout: Layout, stream: str, root: Path) -> st
     if pending is not None:
         return f"batch {pending.sequence} awaits publication (pending.json): run opguard sync --all --final"
     try:
-        why = _published_on_target(s.bundles / "streams" / stream, cp)
+        why = _published_on_target(s.bundles / STREAMS_DIRNAME / stream, cp)
     except (OpguardError, OSError, ValueError) as e:
         return f"the target's copy cannot be checked: {e}"
     return why if why is not None else _unpublished(root, cp)

@@ -16,8 +16,8 @@ from opguard.errors import ConfigError
 
 MIB = 1 << 20
 
-_TRUE = {"1", "true", "yes", "on"}
-_FALSE = {"0", "false", "no", "off", ""}
+TRUE_WORDS = {"1", "true", "yes", "on"}
+FALSE_WORDS = {"0", "false", "no", "off", ""}
 _ID_RE = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}$")
 _LOOPBACK = {"localhost", "localhost.localdomain", "ip6-localhost", "ip6-loopback", "::1", "0.0.0.0"}
 
@@ -34,9 +34,9 @@ def env_bool(env: Mapping[str, str], name: str, default: bool, fix: str | None =
     if raw is None:
         return default
     value = raw.strip().lower()
-    if value in _TRUE:
+    if value in TRUE_WORDS:
         return True
-    if value in _FALSE:
+    if value in FALSE_WORDS:
         return False
     raise ConfigError(f"{name}={raw!r} is not a boolean", fix or f"set {name} to 1 or 0")
 

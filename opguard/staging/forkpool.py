@@ -1,4 +1,4 @@
-"""Independent jobs in forked worker processes (``docs/protocol.md``, "Several streams at once").
+"""Independent jobs in forked worker processes (``docs/protocol.md``, "One sync of several streams").
 
 One ``opguard sync --all`` builds its streams in parallel. Building a batch of many small files is
 per-file Python (open, fstat, read, the entry, the checkpoint record) between calls that release
@@ -18,6 +18,12 @@ Protocol between the parent and each worker (pipes, never a shared queue):
 Workers die with the parent (``PR_SET_PDEATHSIG``, checked against a parent that already died), so
 a SIGKILLed sync leaves no orphan holding a stream lock. They leave by ``os._exit``: no ``atexit``,
 no ``finally`` of the parent's frames, no second flush of buffers copied at the fork.
+
+Two entry points: :func:`run` (the sync: a dead worker's job gets the caller's ``lost`` result, the
+other jobs go on) and :func:`map_jobs` (any caller with independent pure jobs, e.g. compare's
+passes: the :func:`available` check and the in-process fallback built in, a dead worker raises
+:class:`WorkerError`). Jobs and ``fn`` reach the workers through the fork itself (a closure over
+large objects costs nothing to send); only results are pickled back.
 """
 
 from __future__ import annotations
@@ -161,8 +167,29 @@ class _Child:
         self.job: int | None = None
 
 
+def map_jobs(fn: Callable[[T], R], jobs: Sequence[T], workers: int) -> list[R]:
+    """``[fn(job) for job in jobs]``, in ``workers`` forked processes where :func:`available` says
+    forking is safe and there is more than one job and one worker; in this process otherwise.
+
+    Results in job order; ``fn``'s results must pickle (when forked). A job that raised raises here
+    (the first one, with its worker's traceback as a note); a worker that died (killed, out of
+    memory) raises :class:`WorkerError` naming the job and how the worker ended. The fallback runs
+    the same jobs in the same order, so a caller never needs a second code path.
+    """
+    if workers <= 1 or len(jobs) <= 1 or not available():
+        return [fn(job) for job in jobs]
+
+    def one(i: int) -> R:
+        return fn(jobs[i])
+
+    def lost(i: int, why: str) -> R:
+        raise WorkerError(f"job {i} of {len(jobs)} was lost: {why}")
+
+    return run(range(len(jobs)), workers, one, lost, where="a forked worker process")
+
+
 def run(jobs: Sequence[T], workers: int, fn: Callable[[T], R], lost: Callable[[T, str], R],
-        before_fork: Callable[[], None] | None = None) -> list[R]:
+        before_fork: Callable[[], None] | None = None, where: str = "a sync worker process") -> list[R]:
     """``[fn(job) for job in jobs]``, computed by ``workers`` forked processes; results in job order.
 
     ``fn``'s results must pickle. A job whose worker died gets ``lost(job, why)``. If a job raised,
@@ -221,7 +248,7 @@ def run(jobs: Sequence[T], workers: int, fn: Callable[[T], R], lost: Callable[[T
     if errors:
         e, text = errors[0]
         if hasattr(e, "add_note"):
-            e.add_note(f"in a sync worker process:\n{text}")
+            e.add_note(f"in {where}:\n{text}")
         raise e
     return results
 

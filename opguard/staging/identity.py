@@ -338,13 +338,23 @@ class Resolution:
 def resolve_process(env: Mapping[str, str] | None = None, hostname: str | None = None) -> Resolution:
     """This process as one rank of its launch (``docs/launcher.md`` §1), with every problem."""
     e = read_environment(env, hostname)
-    winner, ov, slurm, problems, sources, notes = e.winner, e.overrides, e.slurm, e.problems, e.sources, e.notes
+    winner, ov, sources = e.winner, e.overrides, e.sources
     if winner is None:
         sources["rank"] = "none (a lone process is rank 0 of 1)"
         return Resolution(ProcessIdentity(0, 1, 0, 1, ov.node_index if ov.node_index is not None else 0,
                                           ov.node_count if ov.node_count is not None else 1, e.node_id), e)
     f = winner.family
     sources["rank"] = f"{f.rank} ({f.name})"
+    size = _world_size(e, winner)
+    local_rank, local_size = _local_rank(e, winner)
+    node_index, node_count = _node_index(e, winner, size, local_rank, local_size)
+    return Resolution(ProcessIdentity(winner.rank, size, local_rank, local_size, node_index, node_count,
+                                      e.node_id), e)
+
+
+def _world_size(e: Environment, winner: Reading) -> int | None:
+    """The winner's world size, or (PMIx gives none) that of a family that agrees on the rank."""
+    f, sources = winner.family, e.sources
     size = winner.size
     if size is None:  # PMIx gives no size: take it from a family that agrees on the rank
         for r in e.readings[1:]:
@@ -353,10 +363,16 @@ def resolve_process(env: Mapping[str, str] | None = None, hostname: str | None =
                 sources["world_size"] = f"{r.family.size} ({r.family.name})"
                 break
         else:
-            problems.add(f"{f.rank}={winner.rank} is set but no variable gives the world size",
-                         "launch through a launcher that also exports the world size (srun, mpiexec, torchrun)")
+            e.problems.add(f"{f.rank}={winner.rank} is set but no variable gives the world size",
+                           "launch through a launcher that also exports the world size (srun, mpiexec, torchrun)")
     else:
         sources["world_size"] = f"{f.size} ({f.name})"
+    return size
+
+
+def _local_rank(e: Environment, winner: Reading) -> tuple[int, int | None]:
+    """The winner's local rank and local world size, else Slurm's; a problem (and 0) without one."""
+    f, slurm, sources = winner.family, e.slurm, e.sources
     local_rank, local_size = winner.local_rank, winner.local_size
     if local_rank is not None:
         sources["local_rank"] = f"{f.local_rank} ({f.name})"
@@ -364,10 +380,18 @@ def resolve_process(env: Mapping[str, str] | None = None, hostname: str | None =
         local_rank, local_size = slurm.local_rank, slurm.local_size
         sources["local_rank"] = "SLURM_LOCALID (Slurm)"
     else:
-        problems.add(f"{f.name} gives rank {winner.rank} but no local rank: the node's metadata uploader "
-                     "(local rank 0) cannot be chosen",
-                     "launch with a launcher that exports a local rank (srun, mpiexec, torchrun)")
+        e.problems.add(f"{f.name} gives rank {winner.rank} but no local rank: the node's metadata uploader "
+                       "(local rank 0) cannot be chosen",
+                       "launch with a launcher that exports a local rank (srun, mpiexec, torchrun)")
         local_rank = 0
+    return local_rank, local_size
+
+
+def _node_index(e: Environment, winner: Reading, size: int | None, local_rank: int,
+                local_size: int | None) -> tuple[int | None, int | None]:
+    """Node index and count: the winner's, else Slurm's; OPGUARD_NODE_INDEX/COUNT checked against
+    them and taken; else derived from block placement where the numbers allow it."""
+    f, ov, slurm, problems, sources, notes = winner.family, e.overrides, e.slurm, e.problems, e.sources, e.notes
     node_index, node_count = winner.node_index, winner.node_count
     if node_index is not None:
         sources["node_index"] = f"{f.node_index} ({f.name})"
@@ -393,8 +417,7 @@ def resolve_process(env: Mapping[str, str] | None = None, hostname: str | None =
                      "use opguard.launcher.mpi.mpi_identity() in the program for the exact value")
     if node_index is None:
         notes.append("node index unknown: the sync stagger uses a jitter from the node ID only")
-    return Resolution(ProcessIdentity(winner.rank, size, local_rank, local_size, node_index, node_count,
-                                      e.node_id), e)
+    return node_index, node_count
 
 
 def process_identity(env: Mapping[str, str] | None = None, hostname: str | None = None) -> ProcessIdentity:

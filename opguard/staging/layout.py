@@ -10,22 +10,45 @@ from pathlib import Path
 from opguard.errors import ConfigError
 from opguard.staging.config import StagingConfig
 
-BUNDLES_DIRNAME = ".opguard-bundles"
+# Every on-disk name is spelled here once (``docs/format.md`` §3-§6); readers and writers import it.
+# the logical layout (output base, node-local base, restored tree; §3, §4)
 RANKS_DIRNAME = "ranks"
 NODES_DIRNAME = "nodes"
 NODE_COPY_DIRNAME = "_node"
 WRITER_TMP_PREFIX = ".opguard-tmp-"
-
-def rank_dirname(rank: int) -> str:
-    return f"rank-{rank:06d}"
+# the shared target (§5): .opguard-bundles/{format.json, nodes/<node ID>.json, streams/<stream>/}
+BUNDLES_DIRNAME = ".opguard-bundles"
+FORMAT_FILE = "format.json"
+CLAIMS_DIRNAME = "nodes"
+STREAMS_DIRNAME = "streams"
+TARGET_TMP_PREFIX = ".tmp-"
+# the uploader's local state (§4, §6): state/streams/<stream>/{checkpoint.json, pending.json}
+STATE_DIRNAME = "state"
+# the legacy format read, never written (§9)
+SNAPSHOT_NAME = "sync.tar.gz"
+# a rank's capture files (``docs/capture.md`` §2): written by capture, read by compare, checked by
+# opguard-run; here because staging is the lowest layer all three import
+CAPTURE_DIRNAME = "capture"
+CAPTURE_META_FILE = "meta.json"
+CAPTURE_TRACE_FILE = "trace.jsonl"
+CAPTURE_CALLSITES_FILE = "callsites.json"
+CAPTURE_SOURCES_FILE = "sources.json"
+# stream IDs (§2): rank-<R:06d> and node-<node ID>; parsed by ``names.parse_stream``
+RANK_STREAM_PREFIX = "rank-"
+NODE_STREAM_PREFIX = "node-"
 
 
 def rank_stream(rank: int) -> str:
-    return f"rank-{rank:06d}"
+    return f"{RANK_STREAM_PREFIX}{rank:06d}"
+
+
+def rank_dirname(rank: int) -> str:
+    """A rank's directory under ``ranks/``: its stream ID (§3)."""
+    return rank_stream(rank)
 
 
 def node_stream(node_id: str) -> str:
-    return f"node-{node_id}"
+    return f"{NODE_STREAM_PREFIX}{node_id}"
 
 
 def current_rank(env: Mapping[str, str] | None = None) -> int:
@@ -77,7 +100,7 @@ class Layout:
     def state_dir(self) -> Path | None:
         if not self.config.enabled:
             return None
-        return self._root() / "state"
+        return self._root() / STATE_DIRNAME
 
     def _state(self) -> Path:
         sd = self.state_dir
@@ -110,7 +133,7 @@ class Layout:
         return self.locks_dir / "run.lock"
 
     def stream_state_dir(self, stream: str) -> Path:
-        return self._state() / "streams" / stream
+        return self._state() / STREAMS_DIRNAME / stream
 
     # ---- shared target ---------------------------------------------------------------------
     @property

@@ -17,11 +17,12 @@ import os
 import re
 
 from opguard.errors import IntegrityError
+from opguard.staging.layout import NODE_STREAM_PREFIX, RANK_STREAM_PREFIX, rank_stream
 
 NAME_MAX = 255
 PATH_MAX = 4096
 ID_RE = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}")
-_RANK_STREAM = re.compile(r"rank-([0-9]{6,})")
+_RANK_STREAM = re.compile(re.escape(RANK_STREAM_PREFIX) + r"([0-9]{6,})")
 _SHOWN = 80
 _FIX = ("the target was not written by opguard, or was altered by someone with write access to it; "
         "do not restore it by hand")
@@ -58,15 +59,31 @@ def run_id(value: object, field: str) -> str:
     return identifier(value, field, "a run ID")
 
 
-def stream(value: object, field: str) -> tuple[str, int | None, str | None]:
-    """A stream ID (§2): ``rank-<R:06d>`` or ``node-<node ID>``; returns (kind, rank, node ID)."""
+def parse_stream(value: object) -> tuple[str, int | None, str | None] | None:
+    """The one parser of stream IDs and rank directory names (§2, §3): ``rank-<R:06d>`` (the
+    canonical spelling only) or ``node-<node ID>``; (kind, rank, node ID), or None for anything else."""
     if isinstance(value, str):
         m = _RANK_STREAM.fullmatch(value)
-        if m and f"rank-{int(m.group(1)):06d}" == value:
+        if m and rank_stream(int(m.group(1))) == value:
             return "rank", int(m.group(1)), None
-        if value.startswith("node-") and ID_RE.fullmatch(value[5:]):
-            return "node", None, value[5:]
-    raise _refuse(field, value, "a stream ID (rank-<R, 6+ digits> or node-<node ID>)")
+        node = value.removeprefix(NODE_STREAM_PREFIX)
+        if node != value and ID_RE.fullmatch(node):
+            return "node", None, node
+    return None
+
+
+def parse_rank_stream(value: object) -> int | None:
+    """The rank of a rank stream ID / rank directory name, else None."""
+    parsed = parse_stream(value)
+    return parsed[1] if parsed is not None and parsed[0] == "rank" else None
+
+
+def stream(value: object, field: str) -> tuple[str, int | None, str | None]:
+    """A stream ID (§2): ``rank-<R:06d>`` or ``node-<node ID>``; returns (kind, rank, node ID)."""
+    parsed = parse_stream(value)
+    if parsed is None:
+        raise _refuse(field, value, "a stream ID (rank-<R, 6+ digits> or node-<node ID>)")
+    return parsed
 
 
 def relpath(value: object, field: str) -> str:

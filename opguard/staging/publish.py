@@ -19,9 +19,9 @@ from typing import Protocol
 from opguard.errors import IdentityError, PublishError
 from opguard.staging import crashpoints
 from opguard.staging.fsutil import fsync_dir
+from opguard.staging.layout import TARGET_TMP_PREFIX
 
 CHUNK = 1 << 20
-TARGET_TMP_PREFIX = ".tmp-"
 
 
 class Bucket(Protocol):
@@ -84,7 +84,7 @@ def _copy(src: Path, fd: int, bucket: Bucket, on_bytes: Callable[[int], None] | 
 
     ``os.copy_file_range`` where the kernel can copy between the two files (no user-space copy:
     bench/staging_bench.py (a)); else ``read`` + ``write``. Both are real writes to the target file
-    (tests/faultinject wraps both).
+    (tests/staging/faultinject wraps both).
     """
     copied = 0
     cfr = hasattr(os, "copy_file_range")

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from opguard.errors import ConfigError, IdentityError, IntegrityError
 from opguard.staging.fsutil import fsync_dir
-from opguard.staging.layout import BUNDLES_DIRNAME
+from opguard.staging.layout import BUNDLES_DIRNAME, FORMAT_FILE, SNAPSHOT_NAME, STREAMS_DIRNAME, TARGET_TMP_PREFIX
 from opguard.staging.restore_report import (
     DAMAGED,
     FIX_DAMAGED,
@@ -35,21 +35,35 @@ from opguard.staging.restore_report import (
     UNSEALED,
     DamagedSource,
     NothingPublished,
-    Progress,
+    RestoreProgress,
     RestoreReport,
-    StreamReport,
+    StreamVerifyReport,
     VerifyReport,
     check_require_sealed,
     warn_unsealed,
 )
 from opguard.staging.restore_snapshot import find_snapshots, run_snapshots
-from opguard.staging.restore_tree import Tree, rename_noreplace
+from opguard.staging.restore_tree import OutputTree, rename_noreplace
 from opguard.staging.restore_v1 import find_v1_owners, run_v1
 from opguard.staging.restore_v2 import run_v2
 
 __all__ = ["DAMAGED", "FORMAT_SNAPSHOT", "FORMAT_V1", "FORMAT_V2", "SEALED", "UNSEALED", "DamagedSource",
-           "NothingPublished", "Progress", "RestoreReport", "StreamReport", "VerifyReport", "detect", "materialize",
-           "rename_noreplace", "verify"]
+           "NothingPublished", "RestoreProgress", "RestoreReport", "StreamVerifyReport", "VerifyReport", "detect",
+           "holds_published_data", "materialize", "rename_noreplace", "verify"]
+
+
+def holds_published_data(source: Path) -> bool:
+    """Whether SOURCE is something to restore: a ``.opguard-bundles/`` directory or legacy
+    ``sync.tar.gz`` archives at any depth, the two things :func:`detect` looks for (not yet judged:
+    :func:`detect`, :func:`verify` and :func:`materialize` refuse what is wrong with them). For a
+    caller that also takes plain trace directories (``opguard compare``); a directory that cannot
+    be listed holds nothing found here."""
+    if (source / BUNDLES_DIRNAME).is_dir():
+        return True
+    try:
+        return bool(find_snapshots(source))
+    except IntegrityError:
+        return False
 
 
 def detect(source: Path) -> str:
@@ -66,30 +80,31 @@ def detect(source: Path) -> str:
             raise IdentityError(
                 f"{source} holds both {BUNDLES_DIRNAME}/ and legacy snapshot archives "
                 f"(e.g. {snapshots[0]}): the formats are never mixed in one run",
-                "copy the sync.tar.gz files to another directory and restore each format separately")
+                f"copy the {SNAPSHOT_NAME} files to another directory and restore each format separately")
         names = os.listdir(bundles)
-        temporaries = sorted(n for n in names if n.startswith(".tmp-"))
+        temporaries = sorted(n for n in names if n.startswith(TARGET_TMP_PREFIX))
         if len(temporaries) == len(names):
             held = (f"only {len(temporaries)} temporary file(s) of a first sync that is running or was killed "
                     f"(e.g. {bundles / temporaries[0]})" if temporaries else "nothing")
-            raise NothingPublished(source, f"{bundles} holds {held}, no format.json and no batch")
-        if (bundles / "format.json").exists() or (bundles / "format.json").is_symlink():
+            raise NothingPublished(source, f"{bundles} holds {held}, no {FORMAT_FILE} and no batch")
+        if (bundles / FORMAT_FILE).exists() or (bundles / FORMAT_FILE).is_symlink():
             return FORMAT_V2
         if find_v1_owners(bundles):
             return FORMAT_V1
-        if (bundles / "streams").exists():
-            raise IntegrityError(f"{bundles / 'format.json'} is missing but {bundles / 'streams'} exists",
+        if (bundles / STREAMS_DIRNAME).exists():
+            raise IntegrityError(f"{bundles / FORMAT_FILE} is missing but {bundles / STREAMS_DIRNAME} exists",
                                  "the target identity file was lost; recover it from a backup of the target")
-        raise IntegrityError(f"{bundles} holds neither format.json (format 2) nor reference v1 bundle "
+        raise IntegrityError(f"{bundles} holds neither {FORMAT_FILE} (format 2) nor reference v1 bundle "
                              "directories (<node16>-rank<NNNNNN>)", "check that SOURCE is the run's output directory")
     if snapshots:
         return FORMAT_SNAPSHOT
-    raise ConfigError(f"no opguard data in {source}: no {BUNDLES_DIRNAME}/ and no sync.tar.gz",
+    raise ConfigError(f"no opguard data in {source}: no {BUNDLES_DIRNAME}/ and no {SNAPSHOT_NAME}",
                       "pass the run's shared output directory (OPGUARD_LOCAL_DUMP_TARGET of the run)")
 
 
 
-def _run(source: Path, tree: Tree, report: VerifyReport, require_sealed: bool, progress: Progress | None) -> None:
+def _run(source: Path, tree: OutputTree, report: VerifyReport, require_sealed: bool,
+         progress: RestoreProgress | None) -> None:
     report.format = detect(source)
     if report.format == FORMAT_V2:
         run_v2(source, tree, report, progress, require_sealed)
@@ -108,7 +123,7 @@ def _run(source: Path, tree: Tree, report: VerifyReport, require_sealed: bool, p
     tree.fsync_all()
 
 
-def verify(source: Path, *, require_sealed: bool = False, progress: Progress | None = None) -> VerifyReport:
+def verify(source: Path, *, require_sealed: bool = False, progress: RestoreProgress | None = None) -> VerifyReport:
     """Check everything published under SOURCE without writing anything.
 
     Returns the report when nothing is damaged (unsealed streams are reported and warned about).
@@ -118,7 +133,7 @@ def verify(source: Path, *, require_sealed: bool = False, progress: Progress | N
     source = Path(os.path.abspath(source))
     report = VerifyReport(str(source))
     try:
-        _run(source, Tree(None, report.warn), report, require_sealed, progress)
+        _run(source, OutputTree(None, report.warn), report, require_sealed, progress)
     except OSError as e:  # verify writes nothing: what failed is reading SOURCE
         raise IntegrityError(f"reading {e.filename or source} failed: {e.strerror or e} (errno {e.errno})",
                              "check the storage of SOURCE (permissions, I/O errors) and run verify again") from None
@@ -126,7 +141,7 @@ def verify(source: Path, *, require_sealed: bool = False, progress: Progress | N
 
 
 def materialize(source: Path, dest: Path, *, require_sealed: bool = False,
-                progress: Progress | None = None) -> RestoreReport:
+                progress: RestoreProgress | None = None) -> RestoreReport:
     """Restore SOURCE into DEST (which must not exist), verified, published by one rename."""
     source = Path(os.path.abspath(source))
     dest = Path(os.path.abspath(dest))
@@ -146,12 +161,17 @@ def materialize(source: Path, dest: Path, *, require_sealed: bool = False,
     # mode 0700 (mkdtemp), so no other user can enter the tree being built, whatever the parent allows
     private = Path(tempfile.mkdtemp(prefix=f"{dest.name}.opguard-partial-", dir=parent))
     partial = private / dest.name
-    tree: Tree | None = None
+    tree: OutputTree | None = None
     try:
         partial.mkdir()
-        tree = Tree(partial, report.warn)
+        tree = OutputTree(partial, report.warn)
         try:
             _run(source, tree, report, require_sealed, progress)
+            if report.origins:  # which attempt each file's last version came from (docs/format.md §8)
+                from opguard.staging.attempts import PROVENANCE_FILE, write_provenance
+
+                if write_provenance(partial, report.origins) is not None:
+                    report.provenance = str(dest / PROVENANCE_FILE)
         except OSError as e:  # reads of SOURCE are reported by the readers (exit 5); this is DEST
             raise ConfigError(f"restoring into {dest} failed: {e.strerror or e} (errno {e.errno}"
                               f"{', ' + str(e.filename) if e.filename else ''})",

@@ -15,7 +15,7 @@ from typing import Any
 
 from opguard.errors import IdentityError, IntegrityError
 
-Progress = Callable[[str, int, int], None]
+RestoreProgress = Callable[[str, int, int], None]
 
 SEALED = "sealed"
 UNSEALED = "unsealed"
@@ -30,7 +30,7 @@ FIX_DAMAGED = ("recover the named file from a backup of the shared target; publi
 
 
 @dataclass
-class StreamReport:
+class StreamVerifyReport:
     """One stream: a v2 stream, a v1 owner directory or one legacy ``sync.tar.gz``."""
 
     stream: str
@@ -49,7 +49,7 @@ class VerifyReport:
     source: str
     format: str = ""
     run_id: str | None = None
-    streams: list[StreamReport] = field(default_factory=list)
+    streams: list[StreamVerifyReport] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
 
     @property
@@ -64,7 +64,7 @@ class VerifyReport:
     def bytes(self) -> int:
         return sum(s.bytes for s in self.streams)
 
-    def with_status(self, status: str) -> list[StreamReport]:
+    def with_status(self, status: str) -> list[StreamVerifyReport]:
         return [s for s in self.streams if s.status == status]
 
     @property
@@ -87,8 +87,8 @@ class VerifyReport:
         self.warnings.append(message)
         print(f"opguard: WARNING: {message}", file=sys.stderr, flush=True)
 
-    def add(self, stream: str) -> StreamReport:
-        sr = StreamReport(stream)
+    def add(self, stream: str) -> StreamVerifyReport:
+        sr = StreamVerifyReport(stream)
         self.streams.append(sr)
         return sr
 
@@ -96,6 +96,15 @@ class VerifyReport:
 @dataclass
 class RestoreReport(VerifyReport):
     dest: str = ""
+    # restored path (as in DEST) -> where its last version came from: {"stream", "sequence", "node_id"}
+    # (format 2 only; filled by the replay that wrote the file; docs/format.md §8)
+    origins: dict[str, dict[str, Any]] = field(default_factory=dict)
+    provenance: str | None = None  # DEST/.opguard-attempts.json when written
+
+    def to_dict(self) -> dict[str, Any]:
+        d = super().to_dict()
+        d.pop("origins", None)  # in the provenance file, not in the report
+        return d
 
 
 class DamagedSource(IntegrityError):
@@ -122,7 +131,7 @@ def damaged(stream: str, what: str, fix: str = FIX_DAMAGED) -> IntegrityError:
 
 
 
-def guarded(sr: StreamReport, fail_fast: bool, fn: Callable[[], None]) -> None:
+def guarded(sr: StreamVerifyReport, fail_fast: bool, fn: Callable[[], None]) -> None:
     """Run ``fn``; an integrity failure marks the stream damaged (and stops a restore at once)."""
     try:
         fn()
@@ -135,7 +144,7 @@ def guarded(sr: StreamReport, fail_fast: bool, fn: Callable[[], None]) -> None:
             raise
 
 
-def _unsealed_why(sr: StreamReport) -> str:
+def _unsealed_why(sr: StreamVerifyReport) -> str:
     if sr.sealed_sequence is None:
         return "no seal"
     return f"batches after its seal at {sr.sealed_sequence}"

@@ -15,11 +15,10 @@ from pathlib import Path
 from opguard.errors import IntegrityError
 from opguard.staging import names
 from opguard.staging.fsutil import open_beneath, open_regular
-from opguard.staging.layout import BUNDLES_DIRNAME
-from opguard.staging.restore_report import Progress, StreamReport, VerifyReport, damaged, guarded
-from opguard.staging.restore_tree import READ_ERRORS, Tree, read_chunks
+from opguard.staging.layout import BUNDLES_DIRNAME, SNAPSHOT_NAME
+from opguard.staging.restore_report import RestoreProgress, StreamVerifyReport, VerifyReport, damaged, guarded
+from opguard.staging.restore_tree import READ_ERRORS, OutputTree, read_chunks
 
-SNAPSHOT_NAME = "sync.tar.gz"
 LONG_NAME_MAX = names.PATH_MAX  # a GNU long name or link name: one path, NUL-terminated
 PAX_HEADER_MAX = 2 * names.PATH_MAX + 1024  # path= and linkpath= records, plus the short fixed ones
 
@@ -88,7 +87,7 @@ def _mtime_ns(mtime: object) -> int | None:
     return ns if -(1 << 63) <= ns < (1 << 63) else None
 
 
-def _extract_snapshot(source: Path, source_fd: int, rel: str, tree: Tree, sr: StreamReport) -> None:
+def _extract_snapshot(source: Path, source_fd: int, rel: str, tree: OutputTree, sr: StreamVerifyReport) -> None:
     archive = source / rel
     stream = rel
     reldir = os.path.dirname(rel)
@@ -148,7 +147,7 @@ def _extract_snapshot(source: Path, source_fd: int, rel: str, tree: Tree, sr: St
     sr.batches = sr.last_sequence = 1
 
 
-def run_snapshots(source: Path, tree: Tree, report: VerifyReport, progress: Progress | None) -> None:
+def run_snapshots(source: Path, tree: OutputTree, report: VerifyReport, progress: RestoreProgress | None) -> None:
     source_fd = os.open(source, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)  # SOURCE itself is the caller's
     try:
         for rel in find_snapshots(source):

@@ -1,6 +1,6 @@
 """The output tree of a restore: the one writer every reader goes through (``docs/format.md`` §8, §11).
 
-:class:`Tree` creates only directories and regular files under its root (or, with root None,
+:class:`OutputTree` creates only directories and regular files under its root (or, with root None,
 simulates them for ``verify`` with the same checks); :func:`rename_noreplace` publishes the
 finished tree.
 
@@ -37,7 +37,7 @@ def _parent(rel: str) -> str:
     return rel.rpartition("/")[0]
 
 
-class Tree:
+class OutputTree:
     """Regular files and directories under ``root``; with ``root`` None only simulated (same checks).
 
     Every path is checked with :func:`names.relpath`; only directories and regular files are ever

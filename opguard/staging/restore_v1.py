@@ -20,9 +20,9 @@ from opguard.errors import IdentityError, IntegrityError
 from opguard.staging import names
 from opguard.staging.bundle import CHUNK
 from opguard.staging.fsutil import open_beneath, open_regular
-from opguard.staging.restore_report import Progress, StreamReport, VerifyReport, damaged, guarded
+from opguard.staging.restore_report import RestoreProgress, StreamVerifyReport, VerifyReport, damaged, guarded
 from opguard.staging.restore_snapshot import CappedTarInfo
-from opguard.staging.restore_tree import READ_ERRORS, Tree, read_chunks
+from opguard.staging.restore_tree import READ_ERRORS, OutputTree, read_chunks
 
 V1_VERSION = 1
 V1_OWNER = re.compile(r"([0-9a-f]{16})-rank([0-9]{6,})")
@@ -79,7 +79,7 @@ def _v1_manifest(stream: str, tar: tarfile.TarFile, path: Path, seq: int) -> dic
     return manifest
 
 
-def _v1_entry(stream: str, path: Path, tar: tarfile.TarFile, entry: Any, tree: Tree, i: int) -> tuple[str, int]:
+def _v1_entry(stream: str, path: Path, tar: tarfile.TarFile, entry: Any, tree: OutputTree, i: int) -> tuple[str, int]:
     bad = f"bundle {path.name}: entries[{i}] {names.show(entry)}"
     if not isinstance(entry, dict):
         raise damaged(stream, f"{bad} is not an object")
@@ -125,8 +125,8 @@ def _v1_entry(stream: str, path: Path, tar: tarfile.TarFile, entry: Any, tree: T
     return rel, n
 
 
-def _replay_owner(owner: Path, bfd: int, tree: Tree, sr: StreamReport, report: VerifyReport,
-                  progress: Progress | None) -> None:
+def _replay_owner(owner: Path, bfd: int, tree: OutputTree, sr: StreamVerifyReport, report: VerifyReport,
+                  progress: RestoreProgress | None) -> None:
     stream = owner.name
     try:
         dfd = open_beneath(bfd, owner.name)
@@ -139,8 +139,8 @@ def _replay_owner(owner: Path, bfd: int, tree: Tree, sr: StreamReport, report: V
         os.close(dfd)
 
 
-def _replay_owner_fd(owner: Path, dfd: int, tree: Tree, sr: StreamReport, report: VerifyReport,
-                     progress: Progress | None) -> None:
+def _replay_owner_fd(owner: Path, dfd: int, tree: OutputTree, sr: StreamVerifyReport, report: VerifyReport,
+                     progress: RestoreProgress | None) -> None:
     stream = owner.name
     batches = _v1_batches(owner, report)
     sr.last_sequence = len(batches)
@@ -173,7 +173,7 @@ def _replay_owner_fd(owner: Path, dfd: int, tree: Tree, sr: StreamReport, report
             progress(stream, sr.batches, len(batches))
 
 
-def _copy_v1_node_metadata(owners: list[Path], tree: Tree) -> None:
+def _copy_v1_node_metadata(owners: list[Path], tree: OutputTree) -> None:
     """As the reference: ``nodes/<node16>/{exec_trace/source_files,instrumentation}`` into each of that
     node's existing ``exec_trace/gpu_<rank:03d>/`` as ``source_files/`` and ``instrumentation/``."""
     for owner in owners:
@@ -188,7 +188,7 @@ def _copy_v1_node_metadata(owners: list[Path], tree: Tree) -> None:
                 tree.copy_dir(metadata, f"{gpu}/{relative.rpartition('/')[2]}")
 
 
-def run_v1(bundles: Path, tree: Tree, report: VerifyReport, progress: Progress | None) -> None:
+def run_v1(bundles: Path, tree: OutputTree, report: VerifyReport, progress: RestoreProgress | None) -> None:
     source_fd = os.open(bundles.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)  # SOURCE: the caller's
     try:
         _run_v1(bundles, source_fd, tree, report, progress)
@@ -196,7 +196,8 @@ def run_v1(bundles: Path, tree: Tree, report: VerifyReport, progress: Progress |
         os.close(source_fd)
 
 
-def _run_v1(bundles: Path, source_fd: int, tree: Tree, report: VerifyReport, progress: Progress | None) -> None:
+def _run_v1(bundles: Path, source_fd: int, tree: OutputTree, report: VerifyReport,
+            progress: RestoreProgress | None) -> None:
     try:
         bfd = open_beneath(source_fd, bundles.name)
     except OSError as e:

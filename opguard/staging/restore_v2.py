@@ -17,26 +17,43 @@ from typing import Any
 
 from opguard.errors import IdentityError, IntegrityError, OpguardError
 from opguard.staging import names
-from opguard.staging.bundle import FORMAT_VERSION, BatchInfo, iter_entries, open_batch, parse_batch_name
+from opguard.staging.bundle import (
+    BATCH_SUFFIX,
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    SEAL_SUFFIX,
+    BatchInfo,
+    iter_entries,
+    open_batch,
+    parse_batch_name,
+    parse_seal_name,
+)
 from opguard.staging.fsutil import loads_json, open_beneath, open_dir_nofollow, open_regular
-from opguard.staging.layout import BUNDLES_DIRNAME, NODE_COPY_DIRNAME, NODES_DIRNAME, RANKS_DIRNAME
+from opguard.staging.layout import (
+    BUNDLES_DIRNAME,
+    FORMAT_FILE,
+    NODE_COPY_DIRNAME,
+    NODES_DIRNAME,
+    RANKS_DIRNAME,
+    STREAMS_DIRNAME,
+)
 from opguard.staging.restore_report import (
     DAMAGED,
     FIX_DAMAGED,
     SEALED,
     UNSEALED,
     NothingPublished,
-    Progress,
-    StreamReport,
+    RestoreProgress,
+    RestoreReport,
+    StreamVerifyReport,
     VerifyReport,
     check_require_sealed,
     damaged,
     guarded,
     warn_unsealed,
 )
-from opguard.staging.restore_tree import Tree
+from opguard.staging.restore_tree import OutputTree
 
-_SEAL_NAME = re.compile(r"([0-9]{12})\.seal")
 _DIGEST = re.compile(r"[0-9a-f]{64}")
 # format.json and seals hold a handful of fields of bounded size (IDs of at most 128 characters,
 # digests, numbers): 64 KiB is far above any real one and bounds what a reader loads
@@ -58,12 +75,12 @@ def read_small_json(name: str, dir_fd: int, shown: Path) -> Any:
 
 
 def read_format(bundles: Path, bfd: int) -> str:
-    path = bundles / "format.json"
+    path = bundles / FORMAT_FILE
     try:
-        data = read_small_json("format.json", bfd, path)
+        data = read_small_json(FORMAT_FILE, bfd, path)
     except (OSError, ValueError) as e:
         raise IntegrityError(f"{path} is unreadable or not a regular file ({e})", _FIX_TARGET) from None
-    if not isinstance(data, dict) or data.get("format") != "opguard-bundles":
+    if not isinstance(data, dict) or data.get("format") != FORMAT_NAME:
         raise IntegrityError(f"{path} is not an opguard-bundles identity file", "check that SOURCE is an opguard run")
     version = data.get("version")
     if not isinstance(version, int) or isinstance(version, bool) or version < 2:
@@ -86,9 +103,10 @@ class _Stream:
     kind: str
     rank: int | None
     node_id: str | None
-    report: StreamReport
+    report: StreamVerifyReport
     bfd: int  # the descriptor of .opguard-bundles/ (the stream directory is reopened below it)
     batches: list[tuple[int, str, Path]] = field(default_factory=list)
+    origins: dict[str, tuple[int, str]] = field(default_factory=dict)  # path -> (sequence, node ID) of its last entry
 
     @property
     def prefix(self) -> str:
@@ -106,9 +124,9 @@ class _Stream:
 
 
 def _list_streams(bundles: Path, bfd: int, report: VerifyReport) -> list[_Stream]:
-    root = bundles / "streams"
+    root = bundles / STREAMS_DIRNAME
     try:
-        sfd = open_dir_nofollow("streams", bfd)
+        sfd = open_dir_nofollow(STREAMS_DIRNAME, bfd)
     except FileNotFoundError:
         return []
     except OSError as e:
@@ -141,7 +159,7 @@ def _scan_stream(st: _Stream, run_id: str, report: VerifyReport) -> None:
             child = st.path / name
             if name.startswith(".tmp-"):
                 continue  # an upload in progress or abandoned: never part of the published history
-            if name.endswith(".ogb"):
+            if name.endswith(BATCH_SUFFIX):
                 parsed = parse_batch_name(name)
                 if parsed is None:
                     raise damaged(st.name, f"malformed batch name {names.show(name)} in {st.path}")
@@ -149,11 +167,11 @@ def _scan_stream(st: _Stream, run_id: str, report: VerifyReport) -> None:
                 if seq in by_seq:
                     raise damaged(st.name, f"two batches with sequence {seq}: {by_seq[seq][1].name} and {name}")
                 by_seq[seq] = (digest, child)
-            elif name.endswith(".seal"):
-                m = _SEAL_NAME.fullmatch(name)
-                if m is None:
+            elif name.endswith(SEAL_SUFFIX):
+                sealed = parse_seal_name(name)
+                if sealed is None:
                     raise damaged(st.name, f"malformed seal name {names.show(name)} in {st.path}")
-                seals[int(m.group(1))] = child
+                seals[sealed] = child
             else:
                 report.warn(f"ignoring unexpected file {child} (not a batch or a seal)")
                 continue
@@ -249,10 +267,11 @@ def _check_batch_paths(st: _Stream, info: BatchInfo) -> None:
             i = p.find("/", i + 1)
 
 
-def _apply_batch(st: _Stream, info: BatchInfo, tree: Tree, versions: dict[str, int], files: set[str],
-                 digest: str) -> int:
+def _apply_batch(st: _Stream, info: BatchInfo, tree: OutputTree, versions: dict[str, int], files: set[str],
+                 digest: str, seq: int) -> int:
     """Verify every entry of one batch (and the file's ``digest``) and apply it (§7). Returns payload bytes."""
     _check_batch_paths(st, info)
+    node = str(info.manifest["node_id"])  # checked by _check_manifest
     tree.reserve(sum(e["size"] for e in info.manifest["entries"]), f"batch {info.path}")
     total = 0
     for entry, chunks in iter_entries(info, digest):
@@ -290,6 +309,7 @@ def _apply_batch(st: _Stream, info: BatchInfo, tree: Tree, versions: dict[str, i
         total += tree.write(rel, chunks, append=append)
         versions[path] = version
         files.add(path)
+        st.origins[path] = (seq, node)
         mode, mtime = entry.get("mode"), entry.get("mtime_ns")
         tree.set_meta(rel, mode if _is_int(mode) else None, mtime if _is_int(mtime) else None)
     return total
@@ -300,7 +320,7 @@ def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and -(1 << 63) <= value < (1 << 63)
 
 
-def _replay_stream(st: _Stream, run_id: str, tree: Tree, progress: Progress | None,
+def _replay_stream(st: _Stream, run_id: str, tree: OutputTree, progress: RestoreProgress | None,
                    stop: threading.Event | None = None) -> None:
     versions: dict[str, int] = {}
     files: set[str] = set()
@@ -316,7 +336,7 @@ def _replay_stream(st: _Stream, run_id: str, tree: Tree, progress: Progress | No
                     _check_manifest(st, info, seq, prev, run_id)
                     # the file digest is checked in the same pass as decompression (one read of the batch),
                     # after its entries were applied to the partial tree, which is published only at the end
-                    st.report.bytes += _apply_batch(st, info, tree, versions, files, digest)
+                    st.report.bytes += _apply_batch(st, info, tree, versions, files, digest, seq)
                 finally:
                     info.close()
             except IdentityError:
@@ -336,7 +356,7 @@ def _replay_stream(st: _Stream, run_id: str, tree: Tree, progress: Progress | No
         os.close(dfd)
 
 
-def _copy_node_metadata(streams: list[_Stream], tree: Tree) -> None:
+def _copy_node_metadata(streams: list[_Stream], tree: OutputTree) -> None:
     """``nodes/<id>/`` into ``ranks/rank-<R>/_node/`` for every rank whose last batch names that node
     (the node ID was checked against docs/format.md §2 when its batch was read)."""
     for st in streams:
@@ -344,7 +364,8 @@ def _copy_node_metadata(streams: list[_Stream], tree: Tree) -> None:
             tree.copy_dir(f"{NODES_DIRNAME}/{st.report.node_id}", f"{RANKS_DIRNAME}/{st.name}/{NODE_COPY_DIRNAME}")
 
 
-def run_v2(source: Path, tree: Tree, report: VerifyReport, progress: Progress | None, require_sealed: bool) -> None:
+def run_v2(source: Path, tree: OutputTree, report: VerifyReport, progress: RestoreProgress | None,
+           require_sealed: bool) -> None:
     bundles = source / BUNDLES_DIRNAME
     try:
         bfd = open_dir_nofollow(bundles)
@@ -357,8 +378,8 @@ def run_v2(source: Path, tree: Tree, report: VerifyReport, progress: Progress | 
         os.close(bfd)
 
 
-def _run_v2(source: Path, bundles: Path, bfd: int, tree: Tree, report: VerifyReport, progress: Progress | None,
-            require_sealed: bool) -> None:
+def _run_v2(source: Path, bundles: Path, bfd: int, tree: OutputTree, report: VerifyReport,
+            progress: RestoreProgress | None, require_sealed: bool) -> None:
     run_id = read_format(bundles, bfd)
     report.run_id = run_id
     streams = _list_streams(bundles, bfd, report)
@@ -378,9 +399,24 @@ def _run_v2(source: Path, bundles: Path, bfd: int, tree: Tree, report: VerifyRep
     if tree.root is not None:
         tree.apply_meta()
         _copy_node_metadata(streams, tree)
+        if isinstance(report, RestoreReport):
+            report.origins = _origins(streams, tree)
 
 
-def _replay_all(streams: list[_Stream], run_id: str, tree: Tree, progress: Progress | None, fail_fast: bool) -> None:
+def _origins(streams: list[_Stream], tree: OutputTree) -> dict[str, dict[str, Any]]:
+    """Every restored file of a stream -> the batch and node its last entry came from, as the replay
+    applied it (a path the latest-wins rule left out of the tree is not listed; nor the _node/ copies)."""
+    out: dict[str, dict[str, Any]] = {}
+    for st in streams:
+        for path, (seq, node) in st.origins.items():
+            rel = f"{st.prefix}/{path}"
+            if tree.size(rel) is not None:
+                out[rel] = {"stream": st.name, "sequence": seq, "node_id": node}
+    return dict(sorted(out.items()))
+
+
+def _replay_all(streams: list[_Stream], run_id: str, tree: OutputTree, progress: RestoreProgress | None,
+                fail_fast: bool) -> None:
     """Replay streams in parallel threads (one per usable CPU, at most 8): streams restore into
     disjoint subtrees, and decompression, hashing and file writes release the GIL. A restore
     (``fail_fast``) stops the other streams after the first failure and raises the failure of the

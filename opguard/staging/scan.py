@@ -41,9 +41,6 @@ class FileStat(NamedTuple):
     def identity(self) -> tuple[int, int, int, int, int]:
         return (self.dev, self.ino, self.size, self.mtime_ns, self.ctime_ns)
 
-    def same_identity(self, other: FileStat | FileRecord) -> bool:
-        return self.identity == other.identity
-
 
 @dataclass(frozen=True)
 class Walk:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import errno
 import math
 import os
-import re
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -24,27 +23,27 @@ import filelock
 
 from opguard.errors import ConfigError, IdentityError, LockTimeout, OpguardError, PublishError
 from opguard.staging import crashpoints, forkpool
+from opguard.staging.batchplan import Item, select_batch
 from opguard.staging.build import BatchSource, Torn, build_batch
-from opguard.staging.bundle import BatchWriteError, read_manifest
-from opguard.staging.checkpoint import Checkpoint, Pending, save_checkpoint
+from opguard.staging.bundle import BatchWriteError, read_manifest, seal_name
+from opguard.staging.checkpoint import CHECKPOINT_FILE, PENDING_FILE, Checkpoint, Pending, save_checkpoint
 from opguard.staging.config import StagingConfig
 from opguard.staging.fsutil import create_exclusive, dump_json, fsync_dir, read_json_nofollow
 from opguard.staging.layout import NODE_COPY_DIRNAME, RANKS_DIRNAME, WRITER_TMP_PREFIX, Layout, node_stream
-from opguard.staging.plan import Item, select_batch
+from opguard.staging.names import parse_rank_stream
 from opguard.staging.publish import Bucket, remove_stale_tmp, upload
 from opguard.staging.ratelimit import TokenBucket, Unlimited
 from opguard.staging.scan import Change, detect, walk
-from opguard.staging.target import check_stream, ensure_target, open_stream_dir, staging_of
+from opguard.staging.target import check_stream, ensure_target, open_stream_dir, staging_of, stream_dir
 from opguard.staging.units import format_bytes
 
 TORN_RETRIES = 3
-_RANK_STREAM = re.compile(r"^rank-(\d{6,})$")
 
-Progress = Callable[[str], None]
+SyncProgress = Callable[[str], None]
 
 
 @dataclass
-class StreamReport:
+class StreamSyncReport:
     stream: str
     batches: int = 0
     payload_bytes: int = 0
@@ -67,7 +66,7 @@ class StreamReport:
 @dataclass
 class SyncReport:
     final: bool
-    streams: list[StreamReport] = field(default_factory=list)
+    streams: list[StreamSyncReport] = field(default_factory=list)
     seconds: float = 0.0
     error: str | None = None  # a problem of the whole staging base / target (also set on every stream)
     error_code: int = 0
@@ -103,9 +102,8 @@ class SyncReport:
 
 def stream_root(layout: Layout, stream: str, node_id: str) -> tuple[Path, str, int | None]:
     """(source directory, kind, rank) of a stream this node uploads."""
-    m = _RANK_STREAM.match(stream)
-    if m:
-        rank = int(m.group(1))
+    rank = parse_rank_stream(stream)
+    if rank is not None:
         return layout.rank_dir(rank), "rank", rank
     if stream == node_stream(node_id):
         return layout.node_dir(node_id), "node", None
@@ -120,7 +118,7 @@ def all_streams(config: StagingConfig, layout: Layout, node_id: str) -> list[str
     found: set[str] = set()
     for d in (s.local_base / RANKS_DIRNAME, layout.stream_state_dir("x").parent):
         try:
-            found.update(n for n in os.listdir(d) if _RANK_STREAM.match(n))
+            found.update(n for n in os.listdir(d) if parse_rank_stream(n) is not None)
         except FileNotFoundError:
             pass
     out = sorted(found)
@@ -145,8 +143,8 @@ class _Ctx:
     kind: str
     rank: int | None
     bucket: Bucket
-    progress: Progress
-    report: StreamReport
+    progress: SyncProgress
+    report: StreamSyncReport
     uploading: Any  # the sync's own uploads take turns on this (then on the node upload lock)
     zstd_threads: int = 0
     skipped_changed: bool = False
@@ -161,7 +159,7 @@ class _Ctx:
 
     @property
     def target_dir(self) -> Path:
-        return staging_of(self.config).bundles / "streams" / self.stream
+        return stream_dir(self.config, self.stream)
 
 
 def _build(ctx: _Ctx, cp: Checkpoint, changes: list[Change], deleted: list[str], limit: int,
@@ -236,7 +234,7 @@ def _publish(ctx: _Ctx, pending: Pending) -> Checkpoint:
             f"OPGUARD_SYNC_LOCK_TIMEOUT={ctx.config.lock_timeout:g} s; batch {pending.name} stays pending",
             "raise OPGUARD_SYNC_LOCK_TIMEOUT or OPGUARD_SYNC_MBPS, or lower OPGUARD_SYNC_BATCH_MB") from None
     crashpoints.hit("uploaded")
-    save_checkpoint(ctx.state / "checkpoint.json", pending.checkpoint)
+    save_checkpoint(ctx.state / CHECKPOINT_FILE, pending.checkpoint)
     crashpoints.hit("checkpoint-saved")
     _finish_pending(ctx, pending)
     ctx.report.batches += 1
@@ -246,7 +244,7 @@ def _publish(ctx: _Ctx, pending: Pending) -> Checkpoint:
 
 
 def _finish_pending(ctx: _Ctx, pending: Pending) -> None:
-    (ctx.state / "pending.json").unlink(missing_ok=True)
+    (ctx.state / PENDING_FILE).unlink(missing_ok=True)
     crashpoints.hit("pending-removed")
     (ctx.pending_dir / pending.name).unlink(missing_ok=True)
     fsync_dir(ctx.state)
@@ -334,7 +332,7 @@ def _seal(ctx: _Ctx, cp: Checkpoint) -> Checkpoint:
         return cp
     doc = {"version": 2, "stream": ctx.stream, "run_id": cp.run_id, "last_sequence": last,
            "last_digest": cp.head_digest, "sealed_at": time.time(), "host": ctx.node_id}
-    path = ctx.target_dir / f"{last:012d}.seal"
+    path = ctx.target_dir / seal_name(last)
     try:
         os.close(open_stream_dir(ctx.config, ctx.stream))  # no link followed (docs/format.md §11)
         crashpoints.hit("sealing")
@@ -354,7 +352,7 @@ def _seal(ctx: _Ctx, cp: Checkpoint) -> Checkpoint:
                            "run the final sync again; the batches themselves are published") from None
     new = cp.copy()
     new.sealed_sequence = last
-    save_checkpoint(ctx.state / "checkpoint.json", new)
+    save_checkpoint(ctx.state / CHECKPOINT_FILE, new)
     return new
 
 
@@ -367,7 +365,7 @@ def _sync_stream(ctx: _Ctx, final: bool) -> None:
                               "check --rank/OPGUARD_RANK and OPGUARD_LOCAL_DUMP_BASE (is this the right node?)")
         cp = Checkpoint(s.run_id, ctx.stream, os.fspath(s.target))
         ctx.state.mkdir(parents=True, exist_ok=True)
-        save_checkpoint(ctx.state / "checkpoint.json", cp)
+        save_checkpoint(ctx.state / CHECKPOINT_FILE, cp)
         crashpoints.hit("initial-checkpoint")
     sfd = open_stream_dir(ctx.config, ctx.stream)  # created without following a planted link
     try:
@@ -401,8 +399,8 @@ def _sync_stream(ctx: _Ctx, final: bool) -> None:
                          f"{format_bytes(pending.size)} compressed), {format_bytes(backlog)} left")
         else:
             break
-    if ctx.skipped_changed and not (ctx.state / "pending.json").exists():
-        save_checkpoint(ctx.state / "checkpoint.json", cp)  # remember what was reported, so once only
+    if ctx.skipped_changed and not (ctx.state / PENDING_FILE).exists():
+        save_checkpoint(ctx.state / CHECKPOINT_FILE, cp)  # remember what was reported, so once only
     if final and ctx.report.exit_code == 0:
         cp = _seal(ctx, cp)
         ctx.report.sealed = True
@@ -488,8 +486,8 @@ def zstd_workers(builders: int) -> int:
     return max(1, min(math.ceil(idle) // builders, cpus // builders, MAX_ZSTD_WORKERS // builders))
 
 
-def _sync_one(config: StagingConfig, layout: Layout, sr: StreamReport, final: bool, node_id: str, tb: Bucket,
-              say: Progress, zstd_threads: int, uploading: Any) -> StreamReport:
+def _sync_one(config: StagingConfig, layout: Layout, sr: StreamSyncReport, final: bool, node_id: str, tb: Bucket,
+              say: SyncProgress, zstd_threads: int, uploading: Any) -> StreamSyncReport:
     stream = sr.stream
     ts = time.monotonic()
     try:
@@ -521,7 +519,7 @@ def _sync_one(config: StagingConfig, layout: Layout, sr: StreamReport, final: bo
     return sr
 
 
-def _worker_lost(sr: StreamReport, why: str) -> StreamReport:
+def _worker_lost(sr: StreamSyncReport, why: str) -> StreamSyncReport:
     sr.fail(PublishError(
         f"stream {sr.stream}: {why}; what it had not published stays in the staging "
         "directory (pending or unread), nothing partial is visible on the target",
@@ -531,7 +529,7 @@ def _worker_lost(sr: StreamReport, why: str) -> StreamReport:
 
 
 def sync_streams(config: StagingConfig, layout: Layout, streams: Sequence[str], *, final: bool = False,
-                 node_id: str, progress: Progress | None = None, bucket: Bucket | None = None,
+                 node_id: str, progress: SyncProgress | None = None, bucket: Bucket | None = None,
                  workers: int | None = None, processes: bool | None = None) -> SyncReport:
     """Sync each stream (periodic: at most one batch each; ``final``: drain and seal).
 
@@ -540,67 +538,42 @@ def sync_streams(config: StagingConfig, layout: Layout, streams: Sequence[str], 
     processes (:mod:`opguard.staging.forkpool`; ``processes``: None = ``OPGUARD_SYNC_WORKERS``, whose
     ``auto`` forks where that is safe, False = threads, True = processes or ``ValueError``); their
     uploads take turns. Errors are
-    recorded per stream (``StreamReport.error``/``exit_code``) and never stop the other streams;
+    recorded per stream (``StreamSyncReport.error``/``exit_code``) and never stop the other streams;
     identity errors that concern the whole staging base apply to every stream.
     """
     t0 = time.monotonic()
-    if processes is None and config.sync_workers != "auto":
-        processes = config.sync_workers == "processes"
-        if processes and not forkpool.available():
-            raise ConfigError("OPGUARD_SYNC_WORKERS=processes, but forking stream workers is not safe here (it "
-                              "needs Linux and a caller running a single thread)",
-                              "unset OPGUARD_SYNC_WORKERS (auto) or set it to threads")
-    say: Progress = progress or (lambda _msg: None)
+    processes = _processes_wanted(config, processes)
+    say: SyncProgress = progress or (lambda _msg: None)
     report = SyncReport(final=final)
-    try:
-        try:
-            ensure_target(config, layout, node_id)
-        except OSError as e:  # e.g. a full target while format.json is created: no traceback, exit 4
-            raise PublishError(f"recording the run identity on the target failed: {e.strerror or e} "
-                               f"(errno {e.errno}, {e.filename or staging_of(config).bundles})",
-                               "free space or quota on the shared target (or fix its permissions) and sync "
-                               "again; nothing was published") from None
-    except OpguardError as err:
+    err = _prepare_target(config, layout, node_id)
+    if err is not None:  # a problem of the whole target: every stream fails with it
         report.error, report.error_code = str(err), err.exit_code
         for stream in streams:
-            sr = StreamReport(stream)
+            sr = StreamSyncReport(stream)
             sr.fail(err)
             report.streams.append(sr)
         report.seconds = time.monotonic() - t0
         return report
     tb: Bucket = bucket if bucket is not None else TokenBucket(config.rate_bytes_per_s)
-    report.streams = [StreamReport(stream) for stream in streams]
+    report.streams = [StreamSyncReport(stream) for stream in streams]
     n = stream_workers(len(streams)) if workers is None else max(1, min(workers, len(streams)))
     # the node stream is the node's metadata (small): it compresses inline and leaves the CPUs to the
     # rank streams (the per-rank wrapper's `--rank R --node` is one big stream, not two)
-    ranks = sum(1 for st in streams if _RANK_STREAM.match(st))
+    ranks = sum(1 for st in streams if parse_rank_stream(st) is not None)
     zthreads = zstd_workers(min(n, ranks)) if ranks else 0
     own = tb if isinstance(tb, TokenBucket | Unlimited) else None  # one the workers can share
-    forked = n > 1 and processes is not False and forkpool.available() and own is not None
-    mutex: forkpool.ProcessMutex | None = None
-    if forked:
-        try:
-            mutex = forkpool.ProcessMutex()
-        except OSError as e:  # no temporary file for the mutex: threads need none
-            if processes:
-                tmpdir = os.environ.get("TMPDIR", "unset")
-                raise ConfigError(f"forked stream workers need a temporary file for their upload mutex, and "
-                                  f"creating one failed: {e.strerror or e} (TMPDIR={tmpdir})",
-                                  "point TMPDIR at a writable directory, or set OPGUARD_SYNC_WORKERS=threads") from None
-            forked = False
-    if processes and not forked and n > 1:
-        raise ValueError("processes=True needs Linux, a single-threaded caller and opguard's own bucket")
+    mutex = _fork_mutex(n, processes, own)
     uploading: Any = mutex if mutex is not None else threading.Lock()
 
-    def one(sr: StreamReport) -> StreamReport:
+    def one(sr: StreamSyncReport) -> StreamSyncReport:
         return _sync_one(config, layout, sr, final, node_id, tb, say,
-                         zthreads if _RANK_STREAM.match(sr.stream) else 0, uploading)
+                         zthreads if parse_rank_stream(sr.stream) is not None else 0, uploading)
 
     try:
         if n == 1:
             for sr in report.streams:
                 one(sr)
-        elif forked:
+        elif mutex is not None:  # forked workers
             def before_fork() -> None:
                 crashpoints.share()
                 if own is not None:
@@ -615,3 +588,48 @@ def sync_streams(config: StagingConfig, layout: Layout, streams: Sequence[str], 
             mutex.close()
     report.seconds = time.monotonic() - t0
     return report
+
+
+def _processes_wanted(config: StagingConfig, processes: bool | None) -> bool | None:
+    """``sync_streams``' ``processes`` with ``OPGUARD_SYNC_WORKERS`` applied (None: auto)."""
+    if processes is None and config.sync_workers != "auto":
+        processes = config.sync_workers == "processes"
+        if processes and not forkpool.available():
+            raise ConfigError("OPGUARD_SYNC_WORKERS=processes, but forking stream workers is not safe here (it "
+                              "needs Linux and a caller running a single thread)",
+                              "unset OPGUARD_SYNC_WORKERS (auto) or set it to threads")
+    return processes
+
+
+def _prepare_target(config: StagingConfig, layout: Layout, node_id: str) -> OpguardError | None:
+    """Record or check the run identity on the target (``ensure_target``); the error, if any."""
+    try:
+        try:
+            ensure_target(config, layout, node_id)
+        except OSError as e:  # e.g. a full target while format.json is created: no traceback, exit 4
+            raise PublishError(f"recording the run identity on the target failed: {e.strerror or e} "
+                               f"(errno {e.errno}, {e.filename or staging_of(config).bundles})",
+                               "free space or quota on the shared target (or fix its permissions) and sync "
+                               "again; nothing was published") from None
+    except OpguardError as err:
+        return err
+    return None
+
+
+def _fork_mutex(n: int, processes: bool | None, own: TokenBucket | Unlimited | None) -> forkpool.ProcessMutex | None:
+    """The upload mutex of forked stream workers, or None where the streams run in threads (or
+    one at a time): forked only with several workers, ``processes`` not False, forking safe here
+    and a bucket the workers can share."""
+    mutex: forkpool.ProcessMutex | None = None
+    if n > 1 and processes is not False and forkpool.available() and own is not None:
+        try:
+            mutex = forkpool.ProcessMutex()
+        except OSError as e:  # no temporary file for the mutex: threads need none
+            if processes:
+                tmpdir = os.environ.get("TMPDIR", "unset")
+                raise ConfigError(f"forked stream workers need a temporary file for their upload mutex, and "
+                                  f"creating one failed: {e.strerror or e} (TMPDIR={tmpdir})",
+                                  "point TMPDIR at a writable directory, or set OPGUARD_SYNC_WORKERS=threads") from None
+    if processes and mutex is None and n > 1:
+        raise ValueError("processes=True needs Linux, a single-threaded caller and opguard's own bucket")
+    return mutex

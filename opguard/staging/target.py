@@ -10,7 +10,6 @@ from __future__ import annotations
 import errno
 import json
 import os
-import re
 import socket
 import time
 from collections.abc import Sequence
@@ -19,18 +18,24 @@ from pathlib import Path
 from typing import Any
 
 from opguard.errors import ConfigError, IdentityError, LockTimeout
-from opguard.staging.bundle import FORMAT_VERSION, parse_batch_name
-from opguard.staging.checkpoint import Checkpoint, Pending, load_checkpoint, load_pending
+from opguard.staging.bundle import FORMAT_NAME, FORMAT_VERSION, parse_batch_name, parse_seal_name
+from opguard.staging.checkpoint import CHECKPOINT_FILE, PENDING_FILE, Checkpoint, Pending, load_checkpoint, load_pending
 from opguard.staging.config import StagingConfig
 from opguard.staging.dirs import TARGET_MODE, creatable_problem, ensure_dir
 from opguard.staging.fsutil import create_exclusive, dump_json, makedirs_nofollow, read_json
-from opguard.staging.layout import BUNDLES_DIRNAME, Layout
+from opguard.staging.layout import (
+    BUNDLES_DIRNAME,
+    CLAIMS_DIRNAME,
+    FORMAT_FILE,
+    SNAPSHOT_NAME,
+    STREAMS_DIRNAME,
+    TARGET_TMP_PREFIX,
+    Layout,
+)
 from opguard.staging.writers import check_staging_usable
 
-LEGACY_SNAPSHOT = "sync.tar.gz"
 RUN_TMP_PREFIX = ".tmp-run.json."  # create_exclusive's temporaries of state/run.json
-_V2_TOP = {"format.json", "nodes", "streams"}
-_SEAL_RE = re.compile(r"^(\d{12})\.seal$")
+_V2_TOP = {FORMAT_FILE, CLAIMS_DIRNAME, STREAMS_DIRNAME}
 NEW_RUN_FIX = "use a new output directory (OPGUARD_TRACE_OUTPUT_BASE / OPGUARD_LOCAL_DUMP_TARGET) or another run ID"
 
 
@@ -48,7 +53,7 @@ def staging_of(config: StagingConfig) -> Staging:
 
 
 def stream_dir(config: StagingConfig, stream: str) -> Path:
-    return staging_of(config).bundles / "streams" / stream
+    return staging_of(config).bundles / STREAMS_DIRNAME / stream
 
 
 def open_stream_dir(config: StagingConfig, stream: str) -> int:
@@ -57,7 +62,7 @@ def open_stream_dir(config: StagingConfig, stream: str) -> int:
     the run's batches wherever it points. Refused with exit 6, before anything is written."""
     s = staging_of(config)
     try:
-        return makedirs_nofollow(s.target, f"{BUNDLES_DIRNAME}/streams/{stream}")
+        return makedirs_nofollow(s.target, f"{BUNDLES_DIRNAME}/{STREAMS_DIRNAME}/{stream}")
     except OSError as e:
         if e.errno not in (errno.ELOOP, errno.ENOTDIR, errno.EMLINK):
             raise
@@ -72,14 +77,14 @@ def open_stream_dir(config: StagingConfig, stream: str) -> int:
 # ---- reading the target ------------------------------------------------------------------------
 
 def read_format(bundles: Path) -> dict[str, Any] | None:
-    path = bundles / "format.json"
+    path = bundles / FORMAT_FILE
     try:
         d = read_json(path)
     except FileNotFoundError:
         return None
     except (OSError, ValueError) as e:
         raise IdentityError(f"{path} is unreadable ({e})", NEW_RUN_FIX) from None
-    if not isinstance(d, dict) or d.get("format") != "opguard-bundles":
+    if not isinstance(d, dict) or d.get("format") != FORMAT_NAME:
         raise IdentityError(f"{path} is not an opguard target identity file", NEW_RUN_FIX)
     return d
 
@@ -102,8 +107,8 @@ def find_legacy(target: Path) -> list[Path]:
     for dirpath, dirnames, filenames in os.walk(target):
         if dirpath == os.fspath(target) and BUNDLES_DIRNAME in dirnames:
             dirnames.remove(BUNDLES_DIRNAME)
-        if LEGACY_SNAPSHOT in filenames:
-            found.append(Path(dirpath) / LEGACY_SNAPSHOT)
+        if SNAPSHOT_NAME in filenames:
+            found.append(Path(dirpath) / SNAPSHOT_NAME)
             if len(found) >= 3:
                 return found
     bundles = target / BUNDLES_DIRNAME
@@ -111,7 +116,7 @@ def find_legacy(target: Path) -> list[Path]:
         names = sorted(os.listdir(bundles))
     except FileNotFoundError:
         names = []
-    found += [bundles / n for n in names if n not in _V2_TOP and not n.startswith(".tmp-")][:3]
+    found += [bundles / n for n in names if n not in _V2_TOP and not n.startswith(TARGET_TMP_PREFIX)][:3]
     return found
 
 
@@ -139,7 +144,7 @@ def list_seals(sdir: Path) -> list[int]:
         names = os.listdir(sdir)
     except FileNotFoundError:
         return []
-    return sorted(int(m.group(1)) for n in names if (m := _SEAL_RE.match(n)))
+    return sorted(seq for n in names if (seq := parse_seal_name(n)) is not None)
 
 
 # ---- local run identity ------------------------------------------------------------------------
@@ -194,9 +199,9 @@ def check_stream(config: StagingConfig, layout: Layout, stream: str) -> tuple[Ch
     """Local checkpoint and pending intent of ``stream``, checked against the target; read-only."""
     s = staging_of(config)
     sd = layout.stream_state_dir(stream)
-    cp = load_checkpoint(sd / "checkpoint.json")
-    pending = load_pending(sd / "pending.json")
-    tdir = s.bundles / "streams" / stream
+    cp = load_checkpoint(sd / CHECKPOINT_FILE)
+    pending = load_pending(sd / PENDING_FILE)
+    tdir = s.bundles / STREAMS_DIRNAME / stream
     batches = list_batches(tdir)
     seqs = [b[0] for b in batches]
     if len(set(seqs)) != len(seqs):
@@ -250,7 +255,7 @@ def check_target(config: StagingConfig, layout: Layout, streams: Sequence[str],
     if s.target.is_dir():  # else a new target: created by the first writer (nothing to check there)
         fmt = read_format(s.bundles)
         if fmt is not None:
-            _check_format(s.bundles / "format.json", fmt, s.run_id)
+            _check_format(s.bundles / FORMAT_FILE, fmt, s.run_id)
         _refuse_legacy(s.target)
     check_local_run(config, layout, node_id)
     for stream in streams:
@@ -276,7 +281,7 @@ def ensure_target(config: StagingConfig, layout: Layout, node_id: str) -> None:
     has_run = check_local_run(config, layout, node_id)
     fmt = read_format(s.bundles)
     if fmt is not None:
-        _check_format(s.bundles / "format.json", fmt, s.run_id)
+        _check_format(s.bundles / FORMAT_FILE, fmt, s.run_id)
     if fmt is None or not has_run:
         _refuse_legacy(s.target)
     # every check passed: record the identity
@@ -285,12 +290,12 @@ def ensure_target(config: StagingConfig, layout: Layout, node_id: str) -> None:
     if fmt is None:
         s.bundles.mkdir(parents=True, exist_ok=True)  # streams/ only after format.json: a crash between
         # the two must not leave a target that readers take for one whose format.json was lost
-        doc = {"format": "opguard-bundles", "version": FORMAT_VERSION, "run_id": s.run_id,
+        doc = {"format": FORMAT_NAME, "version": FORMAT_VERSION, "run_id": s.run_id,
                "created_at": time.time(), "created_by": node_id}
-        if not create_exclusive(s.bundles / "format.json", dump_json(doc)):
+        if not create_exclusive(s.bundles / FORMAT_FILE, dump_json(doc)):
             fmt = read_format(s.bundles)  # another node won the race
             assert fmt is not None
-            _check_format(s.bundles / "format.json", fmt, s.run_id)
+            _check_format(s.bundles / FORMAT_FILE, fmt, s.run_id)
     if not has_run or _run_tmp_orphans(layout):
         _record_local_run(config, layout, s, node_id)
 

@@ -51,6 +51,19 @@ def segment_path(path: Path, n: int) -> Path:
     return path.with_name(f"{path.name[: -len(suffix)]}.{n:06d}{suffix}")
 
 
+def parse_segment(name: str) -> tuple[str, int] | None:
+    """The inverse of :func:`segment_path` on a file name: (the name of segment 0, n), or None for
+    a name that is not a JSON-lines file. ``trace.000003.jsonl`` -> (``trace.jsonl``, 3)."""
+    suffix = next((s for s in JSONL_SUFFIXES if name.endswith(s)), None)
+    if suffix is None:
+        return None
+    stem = name[: -len(suffix)]
+    head, dot, digits = stem.rpartition(".")
+    if dot and len(digits) == 6 and all(c in "0123456789" for c in digits):
+        return head + suffix, int(digits)
+    return name, 0
+
+
 class JsonlWriter:
     """Append whole records to a JSON-lines file (O_APPEND, one ``write()`` per record, or per
     batch of records with :meth:`write_lines`).

@@ -133,6 +133,55 @@ def test_bad_arguments_are_refused(hk) -> None:  # type: ignore[no-untyped-def]
         hk.summary(0, 8, -1, True, False)
 
 
+@pytest.mark.parametrize("dtype", list(hostkernel.CODES))
+def test_entry_equals_summary_with_the_hosts_finish(hk, dtype: torch.dtype) -> None:  # type: ignore[no-untyped-def]
+    """``entry`` (one call: printed digest and JSON statistics) gives exactly what ``summary`` and
+    the host's ``finish`` / ``_moments_json`` give, bit for bit; non-finite data and overflowing
+    moments come back as the raw row, which the host's general formula finishes."""
+    from opguard.capture.digest import finish, finish_moments
+    from opguard.capture.session import _json_stats, _moments_json
+    code = hostkernel.CODES[dtype]
+    cases = [sample(dtype, n, 3) for n in LENGTHS]
+    if dtype.is_floating_point:
+        cases += [torch.tensor([1.0, math.nan, 2.0]).to(dtype), torch.tensor([math.inf, -1.0]).to(dtype),
+                  torch.full((9,), torch.finfo(dtype).max, dtype=dtype)]
+    for t in cases:
+        n = t.numel()
+        for stats in (True, False):
+            S, row = hk.summary(t.data_ptr(), n * t.element_size(), code if stats else -1, True, stats)
+            hexed, values = hk.entry(t.data_ptr(), n, code, stats)
+            assert hexed == finish(S, n)
+            if not stats:
+                assert values is None
+                continue
+            want = _moments_json(*row, n)
+            got = values if type(values) is dict else _json_stats(finish_moments(*values, n))
+            assert list(got) == list(want)
+            for k in want:
+                both_nan = got[k] != got[k] and want[k] != want[k]
+                assert type(got[k]) is type(want[k]) and (got[k] == want[k] or both_nan)
+    with pytest.raises(ValueError, match="known element code"):
+        hk.entry(cases[0].data_ptr(), 3, 99, True)
+    with pytest.raises(ValueError, match="n > 0"):
+        hk.entry(cases[0].data_ptr(), 0, code, True)
+    with pytest.raises(ValueError, match="null"):
+        hk.entry(0, 3, code, True)
+
+
+def test_a_kernel_without_entry_writes_the_same_trace(tmp_path: Path, hk,  # type: ignore[no-untyped-def]
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """A kernel built before ``entry`` existed (only ``summary``): the host finishes, same trace."""
+    new = _train({"OPGUARD_TRACE_OUTPUT_BASE": str(tmp_path / "n")}, "native")
+
+    class Old:
+        summary = staticmethod(hk.summary)
+    monkeypatch.setattr(hostkernel, "_module", Old())
+    old = _train({"OPGUARD_TRACE_OUTPUT_BASE": str(tmp_path / "o")}, "native")
+    assert len(new) == len(old) > 40
+    for a, b in zip(new, old, strict=True):
+        assert a["inputs"] == b["inputs"] and a["outputs"] == b["outputs"]
+
+
 def _cpu_flags() -> set[str]:
     try:
         text = Path("/proc/cpuinfo").read_text()

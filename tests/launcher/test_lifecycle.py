@@ -143,6 +143,49 @@ def test_resume_and_requeue_continue_and_list_the_attempts(staging_env: dict[str
     assert files["nodes/node-a/attempts.json"]["attempt"] == 4  # the end record, published by attempt 4
 
 
+def test_provenance_comes_from_the_restore_itself_and_appears_with_dest(
+        staging_env: dict[str, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``.opguard-attempts.json`` is written inside the partial tree before DEST is published, from
+    what the replay applied: a second read of SOURCE (which another user could change in between)
+    would fail here, and a restore that fails leaves neither DEST nor the file."""
+    from opguard.errors import ConfigError
+    from opguard.staging import attempts as attempts_mod
+    from opguard.staging import restore as restore_mod
+
+    env = _env(staging_env)
+    target = Path(env["OPGUARD_LOCAL_DUMP_TARGET"])
+    assert _run(env).returncode == 0
+
+    def no_second_read(*_a: object, **_k: object) -> None:
+        raise AssertionError("provenance re-read SOURCE after the restore")
+
+    monkeypatch.setattr(attempts_mod, "published_attempts", no_second_read)
+    seen: list[bool] = []
+    real_rename = restore_mod.rename_noreplace
+
+    def rename(partial: Path, dest: Path) -> None:
+        seen.append((partial / attempts_mod.PROVENANCE_FILE).is_file())  # present before publication
+        real_rename(partial, dest)
+
+    monkeypatch.setattr(restore_mod, "rename_noreplace", rename)
+    report = restore_mod.materialize(target, tmp_path / "restored")
+    assert seen == [True] and report.provenance == str(tmp_path / "restored" / attempts_mod.PROVENANCE_FILE)
+    prov = json.loads(Path(report.provenance).read_text())
+    assert prov["files"]["ranks/rank-000000/t.bin"] == {"attempt": 1, "node_id": "node-a",
+                                                       "stream": "rank-000000", "sequence": 1}
+    assert set(prov["files"]) == {f"ranks/rank-000000/{n}" for n in ("trace.jsonl", "t.bin")} | {
+        f"nodes/node-a/{n}" for n in os.listdir(tmp_path / "restored" / "nodes" / "node-a")}
+
+    def fail(*_a: object, **_k: object) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(attempts_mod, "atomic_replace_bytes", fail)
+    with pytest.raises(ConfigError, match="No space left on device"):
+        restore_mod.materialize(target, tmp_path / "restored-2")
+    assert not (tmp_path / "restored-2").exists()
+    assert not [p for p in os.listdir(tmp_path) if ".opguard-partial-" in p]
+
+
 def test_leftover_capture_directory_is_refused_before_the_child(staging_env: dict[str, str],
                                                                  tmp_path: Path) -> None:
     env = _env(staging_env)

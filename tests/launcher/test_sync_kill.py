@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from opguard.staging.writers import write_file_atomic
-from tests.test_sync_support import rank_dir
+from tests.helpers.sync import rank_dir
 
 SCRIPT = r"""
 import ctypes, json, os, subprocess, sys, time

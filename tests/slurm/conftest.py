@@ -139,11 +139,6 @@ class Cluster:
                   check: bool = True) -> subprocess.CompletedProcess[str]:
         return self.run([str(CLUSTER_DIR / "node_exec.sh"), node, *args], timeout=timeout, check=check)
 
-    def job_pids(self, node: str, needle: str) -> list[int]:
-        """PIDs on ``node`` whose command line contains ``needle``."""
-        p = self.node_exec(node, ["pgrep", "-f", needle], check=False)
-        return [int(x) for x in p.stdout.split()]
-
     def log(self, name: str) -> str:
         path = self.base / "log" / name
         return path.read_text(errors="replace") if path.exists() else ""

@@ -11,6 +11,7 @@ from opguard.errors import ConfigError
 from opguard.staging.writers import (
     JsonlWriter,
     open_jsonl,
+    parse_segment,
     segment_path,
     write_file_atomic,
     write_node_file,
@@ -257,3 +258,13 @@ def test_atomic_rank_file(staging_env: dict[str, str]) -> None:
     with atomic_rank_file("tensors/a.pt", rank=1, env=staging_env) as f:
         f.write(b"T")
     assert (Path(staging_env["OPGUARD_LOCAL_DUMP_BASE"]) / "ranks/rank-000001/tensors/a.pt").read_bytes() == b"T"
+
+
+def test_parse_segment_inverts_segment_path() -> None:
+    """The one parser of segment names (compare groups a rotated trace's segments with it)."""
+    for base in ("trace.jsonl", "events.ndjson", "a.b.jsonl", ".jsonl"):
+        for n in (0, 1, 42, 999_999):
+            assert parse_segment(segment_path(Path(base), n).name) == (base, n)
+    assert parse_segment("trace.json") is None and parse_segment("trace.000001.json") is None
+    assert parse_segment("trace.00001.jsonl") == ("trace.00001.jsonl", 0)  # 5 digits: not a segment number
+    assert parse_segment("trace.00000x.jsonl") == ("trace.00000x.jsonl", 0)

@@ -6,7 +6,7 @@ import pytest
 
 from opguard.errors import ConfigError
 from opguard.staging.config import MIB, StagingConfig
-from tests.test_sync_support import opguard
+from tests.helpers.sync import opguard
 
 BASE = {"OPGUARD_TRACE_OUTPUT_BASE": "/shared/run-1", "OPGUARD_LOCAL_DUMP_ENABLED": "1",
         "OPGUARD_LOCAL_DUMP_TARGET": "/shared/run-1", "OPGUARD_LOCAL_DUMP_BASE": "/local/opguard"}

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 from opguard.staging.attempts import ATTEMPTS_FILE, ATTEMPTS_MAX_BYTES, published_attempts
-from tests.test_restore_support import add_batch, make_target, seal
+from tests.helpers.restore import add_batch, make_target, seal
 
 NODE = "node-node-a"
 

@@ -9,7 +9,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from opguard.staging.writers import write_file_atomic
-from tests.test_sync_support import batches, opguard, rank_dir, replay, sync
+from tests.helpers.sync import batches, opguard, rank_dir, replay, sync
 
 HOLDER = """
 import sys, filelock

@@ -12,8 +12,16 @@ import pytest
 
 from opguard.errors import ConfigError, IntegrityError
 from opguard.staging.bundle import FOOTER, HEADER
-from opguard.staging.restore import DamagedSource, NothingPublished, materialize, rename_noreplace, verify
-from tests.test_restore_support import (
+from opguard.staging.restore import (
+    DamagedSource,
+    NothingPublished,
+    detect,
+    holds_published_data,
+    materialize,
+    rename_noreplace,
+    verify,
+)
+from tests.helpers.restore import (
     add_batch,
     batches,
     cli,
@@ -326,3 +334,41 @@ def test_rename_noreplace_never_replaces(tmp_path: Path) -> None:
         rename_noreplace(tmp_path / "a", tmp_path / "b")
     rename_noreplace(tmp_path / "a", tmp_path / "c")
     assert (tmp_path / "c").is_dir() and not (tmp_path / "a").exists()
+
+
+def test_holds_published_data_finds_what_detect_looks_for(tmp_path: Path) -> None:
+    """The question compare asks before restoring (bundles or legacy snapshots at any depth), and
+    detect's own answer for the same directories: nothing there is a ConfigError."""
+    plain = tmp_path / "plain"
+    (plain / "ranks" / "rank-000000" / "capture").mkdir(parents=True)
+    assert not holds_published_data(plain)
+    with pytest.raises(ConfigError, match="no opguard data"):
+        detect(plain)
+    staged = tmp_path / "staged"
+    (staged / ".opguard-bundles").mkdir(parents=True)
+    assert holds_published_data(staged)
+    legacy = tmp_path / "legacy"
+    (legacy / "a" / "b").mkdir(parents=True)
+    (legacy / "a" / "b" / "sync.tar.gz").write_bytes(b"")
+    assert holds_published_data(legacy)
+    assert detect(legacy) == "legacy-snapshot"
+
+
+def test_stream_and_seal_names_have_one_parser_each() -> None:
+    """layout spells stream IDs, bundle spells batch and seal names; names/bundle parse them back,
+    canonical spellings only (a writer never makes another one)."""
+    from opguard.staging import names
+    from opguard.staging.bundle import batch_name, parse_batch_name, parse_seal_name, seal_name
+    from opguard.staging.layout import node_stream, rank_stream
+
+    for r in (0, 7, 999_999, 1_234_567):
+        assert names.parse_rank_stream(rank_stream(r)) == r
+        assert names.stream(rank_stream(r), "stream") == ("rank", r, None)
+    assert names.parse_stream(node_stream("n-1")) == ("node", None, "n-1")
+    for bad in ("rank-1", "rank-0000001", "rank-00000x", "rank-٠٠٠٠٠١", "node-", "node-.x", "x", 3):
+        assert names.parse_rank_stream(bad) is None
+    assert names.parse_stream("node-.x") is None and names.parse_stream("rank-1") is None
+    assert parse_seal_name(seal_name(42)) == 42 and seal_name(42) == "000000000042.seal"
+    assert parse_batch_name(batch_name(3, "a" * 64)) == (3, "a" * 64)
+    for bad in ("42.seal", "00000000004x.seal", "٠٠٠٠٠٠٠٠٠٠٤٢.seal", "000000000042.sealx", "000000000042-x.ogb"):
+        assert parse_seal_name(bad) is None

@@ -1,7 +1,7 @@
 """Round trip through the real CLI only: many ``opguard sync`` runs over a realistic 4-rank tree, then
 ``opguard verify`` and ``opguard materialize`` reproduce the producers' tree byte for byte.
 
-Complements tests/test_sync_restore.py (library restore, 2 ranks) with: the CLI restore and verify
+Complements tests/staging/test_sync_restore.py (library restore, 2 ranks) with: the CLI restore and verify
 (exit codes, DEST on stdout, unsealed streams named before the final drain), four ranks, the
 producer API's own rotation (``JsonlWriter(rotate_bytes=...)``) beside rotation by rename and by
 truncation, and the same model as the crash tests (no record lost or duplicated, explained).
@@ -13,8 +13,8 @@ import random
 from pathlib import Path
 
 from opguard.staging.writers import JsonlWriter
-from tests.faultinject.checks import opguard, state_leftovers
-from tests.test_crash import World
+from tests.staging.faultinject.checks import opguard, state_leftovers
+from tests.staging.test_crash import World
 
 
 def test_many_cli_syncs_then_cli_restore_is_byte_exact(staging_env: dict[str, str], tmp_path: Path) -> None:

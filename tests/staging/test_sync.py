@@ -14,7 +14,7 @@ from opguard.staging.config import StagingConfig
 from opguard.staging.layout import Layout
 from opguard.staging.sync import sync_streams
 from opguard.staging.writers import JsonlWriter, write_file_atomic
-from tests.test_sync_support import batches, checkpoint, manifests, opguard, rank_dir, replay, stream_dir, sync
+from tests.helpers.sync import batches, checkpoint, manifests, opguard, rank_dir, replay, stream_dir, sync
 
 
 def test_round_trip_over_many_syncs(staging_env: dict[str, str]) -> None:

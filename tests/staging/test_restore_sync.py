@@ -7,8 +7,8 @@ import json
 import os
 from pathlib import Path
 
-from tests.test_restore_support import files_of, leftovers
-from tests.test_sync_support import opguard, sync
+from tests.helpers.restore import files_of, leftovers
+from tests.helpers.sync import opguard, sync
 
 
 def _local(env: dict[str, str]) -> Path:

@@ -11,7 +11,7 @@ import pytest
 
 from opguard.staging.restore import materialize, verify
 from opguard.staging.writers import JsonlWriter, write_file_atomic
-from tests.test_sync_support import opguard, rank_dir, sync, tree_of
+from tests.helpers.sync import opguard, rank_dir, sync, tree_of
 
 
 def _complete(data: bytes) -> bytes:

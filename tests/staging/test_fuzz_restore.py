@@ -36,7 +36,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from opguard.staging.bundle import HEADER
-from tests.hostile_support import (
+from tests.helpers.hostile import (
     forge_manifest,
     manifest_of,
     relink_chain,
@@ -44,7 +44,7 @@ from tests.hostile_support import (
     split_batch,
     write_batch,
 )
-from tests.test_restore_support import add_batch, batches, cli, make_target, seal, stream_dir
+from tests.helpers.restore import add_batch, batches, cli, make_target, seal, stream_dir
 
 EXAMPLES = int(os.environ.get("OPGUARD_FUZZ_EXAMPLES", "12"))
 RSS_BOUND = 256 << 20

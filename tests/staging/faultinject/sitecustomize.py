@@ -1,4 +1,4 @@
-"""Fault injection at the use site for subprocesses (loaded via ``PYTHONPATH=tests/faultinject``).
+"""Fault injection at the use site for subprocesses (loaded via ``PYTHONPATH=tests/staging/faultinject``).
 
 Used only where no real mechanism exists (EIO; a rename that fails but happened): the real ENOSPC
 cases use a really full tmpfs. ``OPGUARD_TEST_FAULT=CALL:ERRNO`` makes ``os.CALL`` fail with

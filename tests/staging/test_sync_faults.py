@@ -20,7 +20,7 @@ from opguard.staging.layout import Layout
 from opguard.staging.sync import SyncReport, sync_streams
 from opguard.staging.writers import JsonlWriter, write_file_atomic
 from tests.conftest import BIN
-from tests.test_sync_support import batches, rank_dir, replay, stream_dir, sync
+from tests.helpers.sync import batches, rank_dir, replay, stream_dir, sync
 
 
 class FaultyOs:

@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -17,7 +18,7 @@ import pytest
 
 from opguard.staging import forkpool
 from opguard.staging.ratelimit import TokenBucket
-from tests.test_sync_support import forked_workers, kill_and_check_workers_die
+from tests.helpers.sync import forked_workers, kill_and_check_workers_die
 
 pytestmark = pytest.mark.skipif(not forkpool.available(), reason="forkpool needs Linux and a single-threaded caller")
 
@@ -140,3 +141,49 @@ def test_a_shared_token_bucket_is_one_bucket_for_every_worker() -> None:
     assert shared.consume(500) == pytest.approx(0.5)
     assert private.consume(500) == 0.0
     assert shared.slept == pytest.approx(0.5)
+
+
+def test_map_jobs_forks_where_available_and_keeps_job_order() -> None:
+    def job(i: int) -> tuple[int, int]:
+        time.sleep(0.001 * (i % 3))
+        return i * i, os.getpid()
+
+    out = forkpool.map_jobs(job, list(range(12)), 3)
+    assert [sq for sq, _ in out] == [i * i for i in range(12)]
+    assert os.getpid() not in {pid for _, pid in out}
+
+
+def test_map_jobs_runs_in_process_with_one_worker_one_job_or_another_thread() -> None:
+    def job(i: int) -> tuple[int, int]:
+        return i + 1, os.getpid()
+
+    assert forkpool.map_jobs(job, [1, 2, 3], 1) == [(2, os.getpid()), (3, os.getpid()), (4, os.getpid())]
+    assert forkpool.map_jobs(job, [7], 4) == [(8, os.getpid())]
+    release = threading.Event()
+    t = threading.Thread(target=release.wait)
+    t.start()
+    try:
+        assert not forkpool.available()  # forking with a second thread running is unsafe
+        assert forkpool.map_jobs(job, [1, 2], 2) == [(2, os.getpid()), (3, os.getpid())]
+    finally:
+        release.set()
+        t.join()
+
+
+def test_map_jobs_raises_what_a_job_raised_and_names_a_dead_worker() -> None:
+    def raising(i: int) -> int:
+        if i == 2:
+            raise KeyError("job two")
+        return i
+
+    with pytest.raises(KeyError, match="job two") as info:
+        forkpool.map_jobs(raising, [0, 1, 2, 3], 2)
+    assert any("in a forked worker process" in n for n in getattr(info.value, "__notes__", []))
+
+    def dying(i: int) -> int:
+        if i == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return i
+
+    with pytest.raises(forkpool.WorkerError, match=r"job 1 of 3 was lost: its worker process was killed by SIGKILL"):
+        forkpool.map_jobs(dying, [0, 1, 2], 2)

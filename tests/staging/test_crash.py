@@ -20,9 +20,9 @@ import pytest
 
 from opguard.staging.crashpoints import ENV, POINTS
 from tests.conftest import BIN
-from tests.faultinject.checks import KILLED, TargetChecker, opguard, state_leftovers, sync_crashing_at
-from tests.faultinject.model import Producer
-from tests.test_restore_support import files_of
+from tests.helpers.restore import files_of
+from tests.staging.faultinject.checks import KILLED, TargetChecker, opguard, state_leftovers, sync_crashing_at
+from tests.staging.faultinject.model import Producer
 
 SEAL_POINTS = {"sealing", "sealed"}
 # which occurrence the final drain is killed at: a later batch of rank 0's multi-batch drain where possible

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from opguard.staging.writers import write_file_atomic
-from tests.test_sync_support import opguard, rank_dir, stream_dir
+from tests.helpers.sync import opguard, rank_dir, stream_dir
 
 
 @pytest.mark.parametrize("where", ["stream", "streams"])

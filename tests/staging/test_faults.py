@@ -1,10 +1,10 @@
 """Faults at the publish's use sites, in real ``opguard sync`` subprocesses.
 
 ENOSPC comes from a really full tmpfs (space, and inodes); EIO and a rename that fails but
-happened come from ``tests/faultinject/sitecustomize.py`` (no real mechanism here). Each fault:
+happened come from ``tests/staging/faultinject/sitecustomize.py`` (no real mechanism here). Each fault:
 exit status 4, a message naming the step, the path and errno and telling the fix, no temporary
 left on the target, the batch kept locally, and the next normal sync publishes it exactly once.
-(A lock really held by another process is covered by tests/test_sync_lock.py: exit 3, batch kept.)
+(A lock really held by another process is covered by tests/staging/test_sync_lock.py: exit 3, batch kept.)
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 
 from opguard.staging.writers import write_file_atomic
-from tests.faultinject.checks import TargetChecker, opguard, state_leftovers
-from tests.test_sync_support import batches, rank_dir, replay, stream_dir
+from tests.helpers.sync import batches, rank_dir, replay, stream_dir
+from tests.staging.faultinject.checks import TargetChecker, opguard, state_leftovers
 
 FAULTINJECT = Path(__file__).resolve().parent / "faultinject"
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.hostile_support import (
+from tests.helpers.hostile import (
     bomb_manifest_frame,
     forge_manifest,
     manifest_of,
@@ -27,7 +27,7 @@ from tests.hostile_support import (
     split_batch,
     write_batch,
 )
-from tests.test_restore_support import add_batch, batches, cli, leftovers, make_target, seal, stream_dir
+from tests.helpers.restore import add_batch, batches, cli, leftovers, make_target, seal, stream_dir
 
 R0 = "rank-000000"
 RSS_BOUND = 256 << 20  # the bound for verify and materialize on a bomb

@@ -14,7 +14,7 @@ from opguard.staging.config import StagingConfig
 from opguard.staging.layout import Layout
 from opguard.staging.target import check_target
 from opguard.staging.writers import write_file_atomic
-from tests.test_sync_support import batches, opguard, rank_dir, sync, tree_of
+from tests.helpers.sync import batches, opguard, rank_dir, sync, tree_of
 
 
 def snapshot(root: Path) -> dict[str, bytes | None]:

@@ -16,7 +16,7 @@ import pytest
 from opguard.errors import IdentityError, IntegrityError
 from opguard.staging.restore import materialize, verify
 from tests.conftest import REPO
-from tests.test_restore_support import cli, leftovers, make_target, tree_of
+from tests.helpers.restore import cli, leftovers, make_target, tree_of
 
 FIXTURES = REPO / "tests" / "fixtures" / "reference_v1"
 SCENARIOS = ["two-nodes", "many-batches"]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from opguard.staging.plan import Item, select_batch
+from opguard.staging.batchplan import Item, select_batch
 from opguard.staging.ratelimit import TokenBucket
 
 MB = 1 << 20

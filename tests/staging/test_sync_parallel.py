@@ -23,7 +23,7 @@ from opguard.staging.layout import Layout
 from opguard.staging.sync import stream_workers, sync_streams
 from opguard.staging.writers import write_file_atomic
 from tests.conftest import BIN
-from tests.test_sync_support import forked_workers, kill_and_check_workers_die, rank_dir, replay
+from tests.helpers.sync import forked_workers, kill_and_check_workers_die, rank_dir, replay
 
 
 def _fill(env: dict[str, str], ranks: int) -> dict[int, dict[str, bytes]]:

@@ -1,0 +1,104 @@
+"""Calls made on the program's behalf from a frame that reads as the program's own (``docs/capture.md`` §11).
+
+Capture's handlers (the function mode, the dispatch mode, the collective wrappers) sit between the
+program's frame and the torch function it called. Whatever reads the stack from inside that function
+would see capture's frame where the caller's was: above all warnings — ``warnings.warn(...,
+stacklevel=N)`` in PyTorch's Python code and the warnings PyTorch raises from C++ (attributed to the
+innermost Python frame). The message would name capture's file and line, ``filterwarnings(module=...)``
+would test capture's module, and once-per-location de-duplication would use capture's
+``__warningregistry__``: the program would behave differently.
+
+So a handler calls the function through a *stand-in*: a one-line function ``f(*a, **k)`` whose code
+object carries the caller's file name, function name and current line (no column positions, so a
+traceback draws no carets under the wrong columns) and whose globals are the caller's globals (its
+``__name__`` and ``__warningregistry__``). A warning that reaches up to the caller therefore gets
+exactly the file, line, module and registry it gets without capture. The caller is the frame that
+called the handler, or — for a Python-level torch function, which reaches the handler through
+``torch.overrides.handle_torch_function`` — the frame that called that function. Stand-ins are
+cached per (code object, instruction); building one is a ``CodeType.replace``.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from types import CodeType, FrameType, FunctionType
+from typing import Any
+
+import torch.overrides
+
+Call = Callable[[Callable[..., Any], Sequence[Any], Mapping[str, Any]], Any]
+_HANDLE = torch.overrides.handle_torch_function.__code__
+_MAX = 1 << 13  # stand-ins kept (each holds its caller's globals); cleared when full (generated code can make many)
+
+
+def plain(f: Callable[..., Any], a: Sequence[Any], k: Mapping[str, Any]) -> Any:
+    """The call without a stand-in (no Python caller, or stand-ins unavailable)."""
+    return f(*a, **k)
+
+
+_TEMPLATE: CodeType = (lambda f, a, k: f(*a, **k)).__code__  # one line: every instruction on it
+
+
+def _linetable(units: int) -> bytes:
+    """A location table (CPython >= 3.11, ``Objects/locations.md``) putting every one of ``units``
+    code units on ``co_firstlineno`` without columns: entries of kind 13 (line delta, no columns)."""
+    out = bytearray()
+    while units > 0:
+        n = min(units, 8)
+        out += bytes((0x80 | (13 << 3) | (n - 1), 0))  # header (kind 13, n units), line delta 0
+        units -= n
+    return bytes(out)
+
+
+def _code_for(code: CodeType, line: int) -> CodeType:
+    if sys.version_info >= (3, 11):
+        return _TEMPLATE.replace(co_filename=code.co_filename, co_name=code.co_name,
+                                 co_qualname=code.co_qualname, co_firstlineno=line,
+                                 co_linetable=_linetable(len(_TEMPLATE.co_code) // 2))
+    return _TEMPLATE.replace(co_filename=code.co_filename, co_name=code.co_name, co_firstlineno=line)
+
+
+def _works() -> bool:
+    """The stand-in's code reads as intended on this interpreter (one line, no columns)."""
+    try:
+        c = _code_for(_TEMPLATE, 12345)
+        if {ln for _s, _e, ln in c.co_lines()} != {12345}:
+            return False
+        if sys.version_info >= (3, 11) and any(p != (12345, 12345, None, None) for p in c.co_positions()):
+            return False
+        return bool(FunctionType(c, {})(len, ((1,),), {}) == 1)
+    except Exception:
+        return False
+
+
+ENABLED = _works()
+_standins: dict[tuple[CodeType, int], Any] = {}
+
+
+def _new(frame: FrameType, key: tuple[CodeType, int]) -> Call:
+    code = frame.f_code
+    line = frame.f_lineno or code.co_firstlineno
+    fn: Call = FunctionType(_code_for(code, line), frame.f_globals)
+    if len(_standins) >= _MAX:
+        _standins.clear()
+    _standins[key] = fn
+    return fn
+
+
+def standin(frame: FrameType | None) -> Call:
+    """How a handler called from ``frame`` calls the function: through the caller's stand-in."""
+    if frame is None or not ENABLED:
+        return plain
+    code = frame.f_code
+    if code is _HANDLE:  # a Python-level torch function: handle_torch_function <- the function <- caller
+        back = frame.f_back
+        frame = back.f_back if back is not None else None
+        if frame is None:
+            return plain
+        code = frame.f_code
+    key = (code, frame.f_lasti)
+    fn: Any = _standins.get(key)
+    if fn is None or fn.__globals__ is not frame.f_globals:
+        fn = _new(frame, key)
+    return fn  # type: ignore[no-any-return]

@@ -1,0 +1,75 @@
+"""Warnings raised inside torch calls are the program's own (issue 12, ``docs/capture.md`` §11):
+under ``opguard-run --capture`` they name the same file and line as without capture, so the message,
+``filterwarnings(module=...)`` filters and once-per-location de-duplication behave the same; tracebacks
+and ``inspect.stack()`` still work."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="capture needs torch (pip install torch, CPU build)")
+
+from tests.capture.helpers import ops, read_trace, trace_dir  # noqa: E402
+from tests.capture.test_torchrun import clean_env, run_plain  # noqa: E402
+from tests.capture.test_zoo import captured  # noqa: E402
+
+pytestmark = [pytest.mark.torch]
+APP = str(Path(__file__).parent / "progs" / "warn_app.py")
+
+
+@pytest.mark.parametrize("level", ["function", "dispatch"])
+def test_warnings_under_capture_name_the_users_line_and_deduplicate_the_same(tmp_path: Path, level: str) -> None:
+    plain, cap = tmp_path / "plain", tmp_path / "cap"
+    plain.mkdir()
+    cap.mkdir()
+    run_plain([sys.executable, APP, str(plain)], clean_env())
+    base = tmp_path / "traces"
+    c = captured([sys.executable, APP, str(cap)], base, level=level)
+    assert "Traceback" not in c.stderr
+    a = json.loads((plain / "warnings.json").read_text())
+    b = json.loads((cap / "warnings.json").read_text())
+    # without capture: each warning once per location (two lines of torch.tensor: two), then, with an
+    # "always" filter for the script's module, each of the script's warnings three times
+    assert [w[2:] for w in a["default"]] == [["warn_app.py", 48], ["warn_app.py", 49], ["warn_app.py", 50],
+                                             ["warn_app.py", 36], ["dropout.py", 176]]
+    assert len(a["always_main"]) == 3 * 4 + 1
+    assert b["default"] == a["default"]
+    assert b["always_main"] == a["always_main"]
+    assert b["traceback_first"] == a["traceback_first"] and b["traceback_text_ok"] is True
+    assert a["hook_stack_has_script"] is True and b["hook_stack_has_script"] is True
+    # and the calls were recorded, at the script's lines
+    op = ops(read_trace(trace_dir(base)))
+    assert {(r["fn"], r["line"]) for r in op} >= {("torch.nn.functional.softmax", 48), ("torch.tensor", 49),
+                                                  ("torch.nn.functional.softmax", 36)}
+
+
+def test_a_stand_in_reads_as_its_callers_frame() -> None:
+    """The stand-in of a frame: a C++ warning raised through it names that frame's file, line and
+    module, a traceback through it shows that line without carets; no frame: the plain call."""
+    import sys
+    import traceback
+    import warnings
+
+    from opguard.capture import frames
+
+    assert frames.ENABLED and frames.standin(None) is frames.plain
+    here = sys._getframe()
+    via = frames.standin(here)
+    line = here.f_lineno - 1  # the line of the standin() call above
+    assert via.__code__.co_firstlineno == line
+    x = torch.randn(3)
+    with warnings.catch_warnings(record=True) as got:
+        warnings.simplefilter("always")
+        via(torch.tensor, (x,), {})
+    assert [(w.filename, w.lineno) for w in got] == [(__file__, line)]
+    assert via.__globals__ is globals() and via.__code__.co_name == here.f_code.co_name
+    try:
+        via(torch.cat, ([x, torch.randn(2, 2)],), {})
+    except RuntimeError:
+        text = traceback.format_exc()
+    stand_in_part = text.split(f'File "{__file__}", line {line}')[1].split("File")[0]
+    assert "frames.standin(here)" in stand_in_part and "^" not in stand_in_part  # no carets

@@ -1,0 +1,1 @@
+"""Helpers shared by test files of several parts (imported, never collected: no test_ prefix)."""
