@@ -30,10 +30,10 @@ from opguard.compare.perfetto_export import (
     ExportedOp,
     ExportWriter,
     callsite_text,
-    file_sha256,
     read_export,
 )
 from opguard.errors import ConfigError, IdentityError
+from opguard.staging.bundle import file_sha256
 
 MAP_VERSION = 1
 _FIX_MAP = ('write the map as {"version": 1, "export_sha256": "<sha256 of EXPORT>", "pairs": [{"a": {"record": ID, '

@@ -28,7 +28,7 @@ from opguard.compare.linemap import assign_identities
 from opguard.compare.opevents import OpEncoder
 from opguard.compare.pairing import FUNCTION_DIFFERS, NO_ANCHOR, NO_CORRESPONDING_FILE, Pairing, pair_streams
 from opguard.compare.perfetto_export import ROW_NS, ExportWriter
-from opguard.compare.records import Record, Site, Slot
+from opguard.compare.records import Record, RecordSite, Slot
 from opguard.compare.sources import KIND_CAPTURE, Run, Stream, open_run
 from opguard.compare.summary import (
     ARGS_DIFFER,
@@ -62,7 +62,7 @@ class _Index:
     dumps: dict[int, dict[str, str]]
     notes: list[str]
     site_ids: array[int] = field(default_factory=lambda: array("q"))   # capture: each operation's call site
-    sites: list[Site] = field(default_factory=list)
+    sites: list[RecordSite] = field(default_factory=list)
     inputs: array[int] = field(default_factory=lambda: array("Q"))   # captured-input key without the function
 
 
@@ -93,7 +93,7 @@ def _index_local(stream: Stream) -> tuple[list[str], _Index]:
     coll: list[int] = []
     if stream.kind == KIND_CAPTURE:
         site_ids = array("q")
-        sites: list[Site] = []
+        sites: list[RecordSite] = []
         inputs = array("Q")
         all_digests = _index_capture(stream, intern, keys, line_keys, anchors, coll, files, offsets, site_ids, sites,
                                      inputs)
@@ -101,7 +101,7 @@ def _index_local(stream: Stream) -> tuple[list[str], _Index]:
                                       stream.notes, site_ids, sites, inputs)
     all_digests = True
     ref_ids = array("q")
-    ref_sites: list[Site] = []
+    ref_sites: list[RecordSite] = []
     ref_inputs = array("Q")
     seen: dict[tuple[Any, ...], int] = {}
     for rec in stream.reference_records():
@@ -109,8 +109,8 @@ def _index_local(stream: Stream) -> tuple[list[str], _Index]:
         sid = seen.get(raw)
         if sid is None:
             sid = seen[raw] = len(ref_sites)
-            ref_sites.append(Site(rec.function, rec.file, rec.line, rec.scope, rec.line_digest, rec.site, rec.context,
-                              rec.collective, rec.key(), rec.line_key()))
+            ref_sites.append(RecordSite(rec.function, rec.file, rec.line, rec.scope, rec.line_digest, rec.site,
+                                        rec.context, rec.collective, rec.key(), rec.line_key()))
         keys.append(_intern(intern, ref_sites[sid].key))
         line_keys.append(keys[-1])
         all_digests = all_digests and rec.line_digest is not None
@@ -138,7 +138,7 @@ _NO_SLOT = object()
 
 def _index_capture(stream: Stream, intern: dict[str, int], keys: array[int], line_keys: array[int],
                    anchors: array[int], coll: list[int], files: array[int], offsets: array[int],
-                   site_ids: array[int], site_list: list[Site], inputs: array[int]) -> bool:
+                   site_ids: array[int], site_list: list[RecordSite], inputs: array[int]) -> bool:
     """Pass 1 over a capture stream (Stream.index_fields, inlined for speed: the same keys and
     anchors, and each operation's call site for pass 2); returns whether every record has a
     source-line digest."""
@@ -608,7 +608,7 @@ def _pass1(sa: Stream, sb: Stream, intern: dict[str, int], parallel: bool) -> tu
     else:
         _FORK_STREAMS = {"A": sa, "B": sb}
         try:
-            res = forkpool.run(["A", "B"], 2, _pass1_worker, _lost)
+            res = forkpool.run(["A", "B"], 2, _pass1_worker, _lost, where="a compare worker process")
         finally:
             _FORK_STREAMS = {}
     ia, ib = (_globalise(t, i, intern) for t, i in res)
@@ -652,7 +652,7 @@ def _compare_stream(writer: ExportWriter, sa: Stream, sb: Stream, tracks: tuple[
         _FORK_JOB = job
         try:
             jobs = [(bounds[k], bounds[k + 1], str(parts[k]), 2 + k) for k in range(n_workers)]
-            chunks = forkpool.run(jobs, n_workers, _rows_job, _lost)
+            chunks = forkpool.run(jobs, n_workers, _rows_job, _lost, where="a compare worker process")
             for part, chunk in zip(parts, chunks, strict=True):
                 writer.append_part(part, chunk.slices, chunk.flows)
         finally:

@@ -22,7 +22,7 @@ from opguard.compare.perfetto_export import ExportWriter, callsite_text
 from opguard.compare.protoenc import N_SMALL as _NU
 from opguard.compare.protoenc import SMALL_VARINTS as _U
 from opguard.compare.protoenc import F, uv, varint
-from opguard.compare.records import Arg, Record, Site, Slot, capture_args, capture_stats
+from opguard.compare.records import Arg, Record, RecordSite, Slot, capture_args, capture_stats
 
 SLOTS, SAME_AS_OTHER = "slots", "same as other"   # docs/compare.md §5: B's slots equal A's in every field
 
@@ -309,7 +309,7 @@ class OpEncoder:
             parts.append(_frame(self.ann.value("diff", dd)))
         return ridb, parts
 
-    def site_entry(self, site: Site) -> tuple[bytes, bytes]:
+    def site_entry(self, site: RecordSite) -> tuple[bytes, bytes]:
         """(framed callsite/context/collective annotations, TrackEvent name field) of a call site."""
         return (self._site_block(site.file, site.line, site.scope, site.line_digest, site.site, site.context,
                                  site.collective, site.line_map), self.ann.event_name(site.function))

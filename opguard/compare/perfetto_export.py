@@ -13,7 +13,6 @@ The file is written to a temporary name beside OUT and renamed into place when c
 from __future__ import annotations
 
 import errno
-import hashlib
 import json
 import os
 import re
@@ -184,14 +183,6 @@ def _copy(src: BinaryIO, dst: BinaryIO) -> None:
     src.seek(done)
     dst.seek(0, os.SEEK_END)
     shutil.copyfileobj(src, dst, 1 << 22)      # the rest (none unless the kernel could not copy)
-
-
-def file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 # ---- reading an export back (align, tests) ------------------------------------------------------

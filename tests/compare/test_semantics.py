@@ -130,9 +130,10 @@ def test_forked_workers_only_where_forkpool_is_available(tmp_path: Path, monkeyp
     calls: list[int] = []
     real_run = forkpool.run
 
-    def counting_run(jobs, workers, fn, lost, before_fork=None):  # type: ignore[no-untyped-def]
+    def counting_run(jobs, workers, fn, lost, before_fork=None, where="?"):  # type: ignore[no-untyped-def]
         calls.append(len(jobs))
-        return real_run(jobs, workers, fn, lost, before_fork)
+        assert where == "a compare worker process"  # what a worker's traceback note says
+        return real_run(jobs, workers, fn, lost, before_fork, where)
 
     monkeypatch.setattr(forkpool, "run", counting_run)
     forked = compare(str(tmp_path / "a"), str(tmp_path / "b"), tmp_path / "forked.pftrace")
