@@ -24,8 +24,16 @@ from typing import Any
 
 from opguard.compare.diff import MISMATCH, OK, UNALIGNED, dump_errors
 from opguard.compare.pairing import ALIGN_MAP, REJECTED_BY_MAP
-from opguard.compare.perfetto_export import Export, ExportedOp, ExportWriter, file_sha256, read_export
+from opguard.compare.perfetto_export import (
+    IMPLIED,
+    Export,
+    ExportedOp,
+    ExportWriter,
+    callsite_text,
+    read_export,
+)
 from opguard.errors import ConfigError, IdentityError
+from opguard.staging.bundle import file_sha256
 
 MAP_VERSION = 1
 _FIX_MAP = ('write the map as {"version": 1, "export_sha256": "<sha256 of EXPORT>", "pairs": [{"a": {"record": ID, '
@@ -163,7 +171,9 @@ def align(export_path: Path, map_path: Path, new: Path) -> AlignReport:
                                           order=t.get("order"), description=t.get("description") or None)
         ann = writer.ann
         for op in export.ops:
-            args = dict(op.args)
+            args = {k: v for k, v in op.args.items() if k not in IMPLIED}
+            if isinstance(args.get("callsite"), dict):
+                args["callsite"] = callsite_text(args["callsite"])
             out_f, in_f = list(op.flows_out), list(op.flows_in)
             x = extra.get(op.record_id, {})
             if op.record_id in rejected:

@@ -31,11 +31,12 @@ class Diff:
     numeric: dict[str, dict[str, float]] = field(default_factory=dict)
     args: list[str] = field(default_factory=list)        # "approximate: 'none' -> 'tanh'" (schema v2)
     uninitialized: int = 0      # entries marked uninitialized whose recorded content differs (not compared)
+    function: str | None = None  # "A's function -> B's" when they differ (basis function-differs)
 
     @property
     def introduced(self) -> bool:
-        """The pair introduced the difference: its arguments differ, or its inputs and arguments
-        are equal and its outputs differ (docs/compare.md §4)."""
+        """The pair introduced the difference: its arguments differ, or its inputs are equal and its
+        function, arguments or outputs differ (docs/compare.md §4)."""
         return self.status == MISMATCH and (bool(self.args) or self.inputs_equal)
 
 
@@ -122,13 +123,16 @@ def dump_errors(pa: str, pb: str) -> dict[str, float]:
 
 def diff_pair(a: Record, b: Record) -> Diff:
     changes = arg_changes(a.args, b.args)
-    if not changes and [s.signature() for s in a.inputs] == [s.signature() for s in b.inputs] and \
+    other_fn = a.function != b.function
+    if not other_fn and not changes and [s.signature() for s in a.inputs] == [s.signature() for s in b.inputs] and \
             [s.signature() for s in a.outputs] == [s.signature() for s in b.outputs]:
         return _OK
-    d = Diff(MISMATCH, args=changes)
+    d = Diff(MISMATCH, args=changes, function=f"{a.function} -> {b.function}" if other_fn else None)
     fields: list[str] = []
     _compare_slots("inputs", a.inputs, b.inputs, fields, d)
     inputs_equal = not fields
+    if other_fn:
+        fields.insert(0, "function")
     fields.extend(f"args.{c.split(':', 1)[0]}" for c in changes)
     differing = _compare_slots("outputs", a.outputs, b.outputs, fields, d)
     if not fields:

@@ -11,28 +11,38 @@ from __future__ import annotations
 import fnmatch
 import hashlib
 import json
-import multiprocessing
 import os
 import secrets
 from array import array
 from collections import Counter
 from collections.abc import Iterator
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
+from hashlib import blake2b
 from pathlib import Path
 from typing import IO, Any
+
+from orjson import loads as orjson_loads
 
 from opguard.compare.diff import MISMATCH, OK, UNALIGNED, Diff, diff_pair
 from opguard.compare.linemap import assign_identities
 from opguard.compare.opevents import OpEncoder
-from opguard.compare.pairing import NO_ANCHOR, NO_CORRESPONDING_FILE, Pairing, pair_streams
+from opguard.compare.pairing import FUNCTION_DIFFERS, NO_ANCHOR, NO_CORRESPONDING_FILE, Pairing, pair_streams
 from opguard.compare.perfetto_export import ROW_NS, ExportWriter
-from opguard.compare.records import Record, Site, Slot
+from opguard.compare.records import Record, RecordSite, Slot
 from opguard.compare.sources import KIND_CAPTURE, Run, Stream, open_run
-from opguard.compare.summary import ARGS_DIFFER, INHERITED, OUTPUTS_DIFFER, FirstMismatch, StreamSummary, Summary
-from opguard.errors import ConfigError
+from opguard.compare.summary import (
+    ARGS_DIFFER,
+    FUNCTION_DIFFERS_KIND,
+    INHERITED,
+    OUTPUTS_DIFFER,
+    FirstMismatch,
+    StreamSummary,
+    Summary,
+)
+from opguard.errors import ConfigError, OpguardError
+from opguard.staging import forkpool
 
-EXPORT_KIND = "opguard-compare-v1"
+EXPORT_KIND = "opguard-compare-v2"
 
 
 def anchor_hash(text: str) -> int:
@@ -52,7 +62,17 @@ class _Index:
     dumps: dict[int, dict[str, str]]
     notes: list[str]
     site_ids: array[int] = field(default_factory=lambda: array("q"))   # capture: each operation's call site
-    sites: list[Site] = field(default_factory=list)
+    sites: list[RecordSite] = field(default_factory=list)
+    inputs: array[int] = field(default_factory=lambda: array("Q"))   # captured-input key without the function
+
+
+_MASK = (1 << 64) - 1
+
+
+def inputs_key(text: str) -> int:
+    """The key of an operation's captured inputs without its function (docs/compare.md §2 rule 5):
+    a 64-bit hash, consistent within this process and the workers it forks (never stored)."""
+    return (hash(text) & _MASK) or 1
 
 
 def _intern(intern: dict[str, int], k: str) -> int:
@@ -73,33 +93,37 @@ def _index_local(stream: Stream) -> tuple[list[str], _Index]:
     coll: list[int] = []
     if stream.kind == KIND_CAPTURE:
         site_ids = array("q")
-        sites: list[Site] = []
-        all_digests = _index_capture(stream, intern, keys, line_keys, anchors, coll, files, offsets, site_ids, sites)
+        sites: list[RecordSite] = []
+        inputs = array("Q")
+        all_digests = _index_capture(stream, intern, keys, line_keys, anchors, coll, files, offsets, site_ids, sites,
+                                     inputs)
         return _table(intern), _Index(keys, line_keys, anchors, coll, all_digests, files, offsets, stream.dumps,
-                                      stream.notes, site_ids, sites)
+                                      stream.notes, site_ids, sites, inputs)
     all_digests = True
     ref_ids = array("q")
-    ref_sites: list[Site] = []
+    ref_sites: list[RecordSite] = []
+    ref_inputs = array("Q")
     seen: dict[tuple[Any, ...], int] = {}
     for rec in stream.reference_records():
         raw = (rec.function, rec.file, rec.line, rec.context, rec.collective, rec.line_digest)
         sid = seen.get(raw)
         if sid is None:
             sid = seen[raw] = len(ref_sites)
-            ref_sites.append(Site(rec.function, rec.file, rec.line, rec.scope, rec.line_digest, rec.site, rec.context,
-                              rec.collective, rec.key(), rec.line_key()))
+            ref_sites.append(RecordSite(rec.function, rec.file, rec.line, rec.scope, rec.line_digest, rec.site,
+                                        rec.context, rec.collective, rec.key(), rec.line_key()))
         keys.append(_intern(intern, ref_sites[sid].key))
         line_keys.append(keys[-1])
         all_digests = all_digests and rec.line_digest is not None
         text = rec.anchor_text()
         anchors.append(anchor_hash(text) if text and not rec.collective else NO_ANCHOR)
+        ref_inputs.append(inputs_key(text.split("\x00", 1)[1]) if text else NO_ANCHOR)
         if rec.collective:
             coll.append(len(keys) - 1)
         files.append(0)
         offsets.append(0)
         ref_ids.append(sid)
     return _table(intern), _Index(keys, line_keys, anchors, coll, all_digests, files, offsets, stream.dumps,
-                                  stream.notes, ref_ids, ref_sites)
+                                  stream.notes, ref_ids, ref_sites, ref_inputs)
 
 
 def _table(intern: dict[str, int]) -> list[str]:
@@ -114,7 +138,7 @@ _NO_SLOT = object()
 
 def _index_capture(stream: Stream, intern: dict[str, int], keys: array[int], line_keys: array[int],
                    anchors: array[int], coll: list[int], files: array[int], offsets: array[int],
-                   site_ids: array[int], site_list: list[Site]) -> bool:
+                   site_ids: array[int], site_list: list[RecordSite], inputs: array[int]) -> bool:
     """Pass 1 over a capture stream (Stream.index_fields, inlined for speed: the same keys and
     anchors, and each operation's call site for pass 2); returns whether every record has a
     source-line digest."""
@@ -131,17 +155,21 @@ def _index_capture(stream: Stream, intern: dict[str, int], keys: array[int], lin
                                     site.line_digest is not None, site.function, len(site_list))
                 site_list.append(site)
             kid, lkid, collective, has_digest, function, sid = ent
-            anchor = NO_ANCHOR
+            anchor = inp = NO_ANCHOR
             ins = obj.get("inputs")
             if ins:
-                parts = [function]
+                parts = []
                 for k, s in enumerate(ins):
                     d = s.get("digest")
                     if d:
                         name = s.get("slot", _NO_SLOT)
                         parts.append(f"{f'in{k}' if name is _NO_SLOT else name}={d}")
-                if len(parts) > 1 and not collective:
-                    anchor = anchor_hash("\x00".join(parts))
+                if parts:       # the same keys as inputs_key / anchor_hash of the texts, inlined
+                    tail = "\x00".join(parts)
+                    inp = (hash(tail) & _MASK) or 1
+                    if not collective:
+                        anchor = int.from_bytes(blake2b(f"{function}\x00{tail}".encode("utf-8", "surrogatepass"),
+                                                        digest_size=8).digest(), "little") or 1
         except _MALFORMED as e:
             raise ConfigError(f"{stream.where(fi, n, off)}: not an opguard capture op record "
                               f"({type(e).__name__}: {e})",
@@ -149,6 +177,7 @@ def _index_capture(stream: Stream, intern: dict[str, int], keys: array[int], lin
         keys.append(kid)
         line_keys.append(lkid)
         anchors.append(anchor)
+        inputs.append(inp)
         if collective:
             coll.append(len(keys) - 1)
         if not has_digest:
@@ -280,13 +309,24 @@ class _Side:
         first, self.pos = _start(rows, r0, r1, idx)
         self.capture = st.kind == KIND_CAPTURE
         it: Iterator[_Item] = iter(())
+        raw: Iterator[tuple[int, int, int, bytes]] = iter(())
         if first >= 0:
-            it = st.capture_ops(self.pos) if self.capture else st.records(first, self.pos)
-        self.next = it.__next__
+            if self.capture:
+                raw = st.capture_op_lines(self.pos, idx.files, idx.offsets, first)
+                it = self._parsed(raw)
+            else:
+                it = st.records(first, self.pos)
+        self.next = it.__next__         # the next operation, parsed
+        self.next_raw = raw.__next__    # capture: the next operation's line, unparsed (the same sequence)
         self.head = em.head(run, st.name, st.rank)
         self.site_ids = idx.site_ids
         self.sites: list[tuple[bytes, bytes] | None] = [None] * len(idx.sites)
         self.site_objs = idx.sites
+
+    def _parsed(self, raw: Iterator[tuple[int, int, int, bytes]]) -> Iterator[_Item]:
+        parse, pos = self.st.parse_op, self.pos
+        for fi, n, off, line in raw:
+            yield fi, n, off, parse(fi, n, off, line, pos)
 
     def rid(self, index: int) -> bytes:
         return self.head[0] + b"%d" % index
@@ -303,29 +343,47 @@ class _Side:
 
     def emit(self, ts: int, item: _Item, index: int, rid: bytes, corr: tuple[str, str, str], other: bytes | None,
              d: Diff | None, flow_out: int | None = None, flow_in: int | None = None,
-             slots: bytes | None = None) -> bytes:
+             slots: bytes | None = None, same: bool = False) -> bytes:
         em, st = self.em, self.st
-        if not isinstance(item, Record) and d is None:
+        if d is None and item.__class__ is tuple:      # a capture item (not a Record)
             sid = self.site_ids[index]
             site = self.sites[sid]
             if site is None:
                 site = self.sites[sid] = em.site_entry(self.site_objs[sid])
             try:
                 return em.capture_op(self.track, ts, self.head, site, index, rid, item[3], st.dumps, corr, other,
-                                     flow_out, flow_in, slots)
+                                     flow_out, flow_in, slots, same)
             except _MALFORMED:
                 pass        # the Record path reports what is wrong with it (or encodes what it accepts)
         return em.op(self.track, ts, self.run, st.name, self.record(item, index), corr, other, d, flow_out, flow_in,
-                     None if not isinstance(item, Record) else slots)
+                     None if not isinstance(item, Record) else slots, same)
+
+
+_SEQ = b'"seq":'
+
+
+def _same_but_seq(la: bytes, lb: bytes) -> tuple[int, int] | None:
+    """(A's seq, B's seq) when two op lines are byte-equal except the digits of their top-level
+    ``seq`` (then B's record is A's with B's seq: pass 2 need not parse it); else None."""
+    p = la.find(_SEQ)
+    if p < 0 or la.find(b"[", 0, p) >= 0 or la.find(b"{", 1, p) >= 0 or not lb.startswith(la[:p + 6]):
+        return None         # (no container opened before it: the key is the top-level one)
+    qa, qb = la.find(b",", p + 6), lb.find(b",", p + 6)
+    if qa < 0 or qb < 0 or la[qa:] != lb[qb:] or la.find(_SEQ, qa) >= 0:
+        return None
+    da, db = la[p + 6:qa], lb[p + 6:qb]
+    if not (da.isdigit() and db.isdigit()):
+        return None
+    return int(da), int(db)
 
 
 def _slots_equal(x: _Item, y: _Item, dumps: bool) -> bool:
     """Every recorded field of the slots equal (then the diff is ok and the encoding can be shared)."""
-    if isinstance(x, Record) or isinstance(y, Record):
-        return isinstance(x, Record) and isinstance(y, Record) and x.inputs == y.inputs and x.outputs == y.outputs
-    a, b = x[3], y[3]
-    return not dumps and a.get("inputs") == b.get("inputs") and a.get("outputs") == b.get("outputs") and \
-        a.get("error") == b.get("error") and a.get("args") == b.get("args")
+    if x.__class__ is tuple and y.__class__ is tuple:     # both capture items (the usual case)
+        a, b = x[3], y[3]
+        return not dumps and a.get("inputs") == b.get("inputs") and a.get("outputs") == b.get("outputs") and \
+            a.get("error") == b.get("error") and a.get("args") == b.get("args")
+    return isinstance(x, Record) and isinstance(y, Record) and x.inputs == y.inputs and x.outputs == y.outputs
 
 
 def _module(context: str) -> str | None:
@@ -380,23 +438,48 @@ def _run_rows(job: _Job, r0: int, r1: int, writer: ExportWriter) -> _Chunk:
     sel = opts.select if opts.select.per_op else None
     pairs_out, show = opts.pairs, opts.show
     head = {"rank": sa.rank, "stream": sa.name}
+    # pairs whose lines differ only in seq skip B's parse (the usual case: ok pairs of a rerun)
+    fast = side_a.capture and side_b.capture and sel is None and not show and pairs_out is None and not dumps
+    raw_a, raw_b, parse_a, parse_b = side_a.next_raw, side_b.next_raw, sa.parse_op, sb.parse_op
+    xa: _Item
+    xb: _Item
     for row in range(r0, r1):
         i, j = rows_a[row], rows_b[row]
         ts = row * ROW_NS
         if i >= 0 and j >= 0:
-            xa, xb = next_a(), next_b()
+            if fast:
+                la, lb = raw_a(), raw_b()
+                seqs = _same_but_seq(la[3], lb[3])
+                oa: Any = None
+                if seqs is not None:
+                    try:
+                        oa = orjson_loads(la[3])
+                    except ValueError:
+                        oa = None
+                if oa.__class__ is dict and seqs is not None and oa.get("seq") == seqs[0] and \
+                        oa["seq"].__class__ is int:
+                    xa = (la[0], la[1], la[2], oa)
+                    xb = (lb[0], lb[1], lb[2], {**oa, "seq": seqs[1]})    # what parsing B's line gives
+                    synth = True        # the slots are A's objects: equal (no dumps in fast mode)
+                else:
+                    synth = False
+                    xa = (la[0], la[1], la[2], parse_a(*la, side_a.pos))
+                    xb = (lb[0], lb[1], lb[2], parse_b(*lb, side_b.pos))
+            else:
+                xa, xb = next_a(), next_b()
+                synth = False
             rid_a, rid_b = side_a.rid(i), side_b.rid(j)
             basis = basis_a[i] or ""
             flow = job.flow_base + row + 1
             selected = sel is None or sel.op(side_a.site_objs[side_a.site_ids[i]].function, _step(xa)) or \
                 sel.op(side_b.site_objs[side_b.site_ids[j]].function, _step(xb))
-            if _slots_equal(xa, xb, dumps) and (not show or (rid_a.decode() not in show and
-                                                          rid_b.decode() not in show)):
+            if basis != FUNCTION_DIFFERS and (synth or _slots_equal(xa, xb, dumps)) and \
+                    (not show or (rid_a.decode() not in show and rid_b.decode() not in show)):
                 corr = ok_corr.get(basis)
                 if corr is None:
                     corr = ok_corr[basis] = ("paired", basis, OK)
                 slots = side_a.emit(ts, xa, i, rid_a, corr, rid_b, None, flow_out=flow)
-                side_b.emit(ts, xb, j, rid_b, corr, rid_a, None, flow_in=flow, slots=slots)
+                side_b.emit(ts, xb, j, rid_b, corr, rid_a, None, flow_in=flow, slots=slots, same=True)
                 if selected:
                     status[OK] += 1
                     basis_count[basis] += 1
@@ -415,7 +498,7 @@ def _run_rows(job: _Job, r0: int, r1: int, writer: ExportWriter) -> _Chunk:
                                   "a": _evidence(side_a, ra), "b": _evidence(side_b, rb),
                                   "diff": None if d.status != MISMATCH else
                                   {"fields": d.fields, "args": d.args, "inputs_equal": d.inputs_equal,
-                                   "introduced": d.introduced, "numeric": d.numeric},
+                                   "introduced": d.introduced, "numeric": d.numeric, "function": d.function},
                                   "uninitialized_not_compared": d.uninitialized})
             if not selected:
                 continue
@@ -427,15 +510,18 @@ def _run_rows(job: _Job, r0: int, r1: int, writer: ExportWriter) -> _Chunk:
                                         "a": _op_json(side_a, xa, i), "b": _op_json(side_b, xb, j)}
                 if d.status == MISMATCH:
                     line.update(differs=d.fields, args=d.args, introduced=d.introduced, numeric=d.numeric)
+                    if d.function:
+                        line["function"] = d.function
                 if d.uninitialized:
                     line["uninitialized_not_compared"] = d.uninitialized
                 pairs_out.write(json.dumps(line) + "\n")
             if d.status == MISMATCH:
-                kind = ARGS_DIFFER if d.args else OUTPUTS_DIFFER if d.inputs_equal else INHERITED
+                kind = (FUNCTION_DIFFERS_KIND if d.function and d.inputs_equal else ARGS_DIFFER if d.args else
+                        OUTPUTS_DIFFER if d.inputs_equal else INHERITED)
                 fm = FirstMismatch(rid_a.decode("utf-8", "surrogatepass"), rid_b.decode("utf-8", "surrogatepass"),
                                    ra.function, _where(ra), d.fields, d.numeric, out.unresolved,
                                    _module(ra.context), ra.step, d.args, kind, _where(rb), out.last_unresolved,
-                                   rb.line_map)
+                                   rb.line_map, rb.function if d.function else None)
                 if out.first_mismatch is None:
                     out.first_mismatch = fm
                 if d.introduced:
@@ -477,6 +563,10 @@ def _pass1_worker(side: str) -> tuple[list[str], _Index]:
     return _index_local(_FORK_STREAMS[side])
 
 
+def _rows_job(job: tuple[int, int, str, int]) -> _Chunk:
+    return _rows_worker(*job)
+
+
 def _rows_worker(r0: int, r1: int, part: str, seq_id: int) -> _Chunk:
     assert _FORK_JOB is not None
     writer = ExportWriter(Path(part), None, seq_id=seq_id, part=True)
@@ -504,8 +594,11 @@ def workers() -> int:
     return max(1, min(MAX_WORKERS, n))
 
 
-def _pool(n: int) -> ProcessPoolExecutor:
-    return ProcessPoolExecutor(max_workers=n, mp_context=multiprocessing.get_context("fork"))
+def _lost(job: object, why: str) -> Any:
+    """A compare worker that died (killed, out of memory) loses the whole comparison: exit 1."""
+    raise OpguardError(f"a compare worker process {why} (job {job!r}); nothing was written to the output",
+                       "run the compare again; if the kernel log shows the OOM killer, compare fewer ranks at "
+                       "once (--rank) or leave the machine more memory")
 
 
 def _pass1(sa: Stream, sb: Stream, intern: dict[str, int], parallel: bool) -> tuple[_Index, _Index]:
@@ -515,8 +608,7 @@ def _pass1(sa: Stream, sb: Stream, intern: dict[str, int], parallel: bool) -> tu
     else:
         _FORK_STREAMS = {"A": sa, "B": sb}
         try:
-            with _pool(2) as pool:
-                res = list(pool.map(_pass1_worker, ["A", "B"]))
+            res = forkpool.run(["A", "B"], 2, _pass1_worker, _lost, where="a compare worker process")
         finally:
             _FORK_STREAMS = {}
     ia, ib = (_globalise(t, i, intern) for t, i in res)
@@ -530,7 +622,7 @@ def _compare_stream(writer: ExportWriter, sa: Stream, sb: Stream, tracks: tuple[
     """Pair and export one stream pair; returns the number of rows (flow ids used)."""
     global _FORK_JOB
     n_workers = workers()
-    big = n_workers > 1 and not opts.serial and sa.kind == sb.kind == KIND_CAPTURE and \
+    big = n_workers > 1 and not opts.serial and forkpool.available() and sa.kind == sb.kind == KIND_CAPTURE and \
         sum(p.stat().st_size for p in (*sa.files, *sb.files)) > PARALLEL_MIN_OPS * 500
     ia, ib = _pass1(sa, sb, intern, big)
     # call-site identities from the line correspondence of each file's two versions (docs/compare.md §2)
@@ -540,7 +632,14 @@ def _compare_stream(writer: ExportWriter, sa: Stream, sb: Stream, tracks: tuple[
         site_keys = [_intern(intern, s.key) for s in idx.sites]
         idx.keys = array("q", [site_keys[s] for s in idx.site_ids])
     _collective_anchors(ia, ib)
-    pairing = pair_streams(ia.keys, ib.keys, ia.anchors, ib.anchors)
+    if ia.keys == ib.keys:
+        pairing = pair_streams(ia.keys, ib.keys, ia.anchors, ib.anchors)
+    else:       # call sites without the function, for a function that differs at the same call site
+        rel: dict[str, int] = {}
+        site_a, site_b = ([_intern(rel, f"{s.site}\x00{s.context}") for s in idx.sites] for idx in (ia, ib))
+        pairing = pair_streams(ia.keys, ib.keys, ia.anchors, ib.anchors,
+                               array("q", map(site_a.__getitem__, ia.site_ids)),
+                               array("q", map(site_b.__getitem__, ib.site_ids)), ia.inputs, ib.inputs)
     summ.ops_a, summ.ops_b = len(ia.keys), len(ib.keys)
     summ.notes.extend([*(f"run A: {n}" for n in sa.notes), *(f"run B: {n}" for n in sb.notes)])
     rows_a, rows_b = pairing.row_arrays()
@@ -552,10 +651,8 @@ def _compare_stream(writer: ExportWriter, sa: Stream, sb: Stream, tracks: tuple[
                  for k in range(n_workers)]
         _FORK_JOB = job
         try:
-            with _pool(n_workers) as pool:
-                futs = [pool.submit(_rows_worker, bounds[k], bounds[k + 1], str(parts[k]), 2 + k)
-                        for k in range(n_workers)]
-                chunks = [f.result() for f in futs]
+            jobs = [(bounds[k], bounds[k + 1], str(parts[k]), 2 + k) for k in range(n_workers)]
+            chunks = forkpool.run(jobs, n_workers, _rows_job, _lost, where="a compare worker process")
             for part, chunk in zip(parts, chunks, strict=True):
                 writer.append_part(part, chunk.slices, chunk.flows)
         finally:

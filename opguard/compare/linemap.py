@@ -18,7 +18,7 @@ from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
-from opguard.compare.records import Site
+from opguard.compare.records import RecordSite
 
 SAME = "same"
 NO_COUNTERPART = "no counterpart"
@@ -61,15 +61,15 @@ def _line_site(file: str | None, line: int | None) -> str:
     return f"{name}:line={line if line is not None else '?'}"
 
 
-def _with_identity(site: Site, ident: str, line_map: str | None) -> Site:
+def _with_identity(site: RecordSite, ident: str, line_map: str | None) -> RecordSite:
     return replace(site, site=ident, line_map=line_map, key=f"{site.function}\x00{ident}\x00{site.context}")
 
 
 LinesOf = Callable[[str], list[str] | None]
 
 
-def assign_identities(sites_a: Sequence[Site], sites_b: Sequence[Site], lines_a: LinesOf, lines_b: LinesOf
-                      ) -> tuple[list[Site], list[Site], list[str]]:
+def assign_identities(sites_a: Sequence[RecordSite], sites_b: Sequence[RecordSite], lines_a: LinesOf, lines_b: LinesOf
+                      ) -> tuple[list[RecordSite], list[RecordSite], list[str]]:
     """The call sites of both runs with their identities (and keys) for this stream pair, and the
     notes for the summary (files identified by line number, and why)."""
     files_a = {s.file for s in sites_a if s.file}
@@ -104,7 +104,7 @@ def assign_identities(sites_a: Sequence[Site], sites_b: Sequence[Site], lines_a:
         mapped_a.add(fa)
     out_a = [_with_identity(s, f"{os.path.basename(s.file)}:{s.line}" if s.file in mapped_a
                             and s.line is not None else _line_site(s.file, s.line), None) for s in sites_a]
-    out_b: list[Site] = []
+    out_b: list[RecordSite] = []
     for s in sites_b:
         fm = maps.get(s.file) if s.file else None
         if fm is None or fm.to_a is None or s.line is None:

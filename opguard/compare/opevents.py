@@ -15,12 +15,16 @@ from __future__ import annotations
 import struct
 from typing import Any
 
+from orjson import dumps as _dumps
+
 from opguard.compare.diff import MISMATCH, Diff
-from opguard.compare.perfetto_export import ExportWriter
+from opguard.compare.perfetto_export import ExportWriter, callsite_text
 from opguard.compare.protoenc import N_SMALL as _NU
 from opguard.compare.protoenc import SMALL_VARINTS as _U
 from opguard.compare.protoenc import F, uv, varint
-from opguard.compare.records import Arg, Record, Site, Slot, capture_args, capture_stats
+from opguard.compare.records import Arg, Record, RecordSite, Slot, capture_args, capture_stats
+
+SLOTS, SAME_AS_OTHER = "slots", "same as other"   # docs/compare.md §5: B's slots equal A's in every field
 
 _E = F.E_ANNOTATION
 _DD = F.D_DICT
@@ -50,9 +54,10 @@ class OpEncoder:
         self._corrs: dict[tuple[str, str, str], tuple[bytes, bytes, bytes]] = {}
         self._fnames: dict[str, bytes] = {}
         self._slot_heads: dict[tuple[Any, ...], tuple[bytes, bytes]] = {}
+        self._raw_heads: dict[tuple[Any, ...], tuple[bytes, bytes]] = {}   # by the slot's raw JSON fields
         self._str_pre: dict[tuple[str, int], bytes] = {}
         self._dpre: dict[int, bytes] = {}
-        self._ni = self._n("index") + _DI
+        self._same = _frame(self._cs(SLOTS, SAME_AS_OTHER))
         self._nseq = self._n("seq") + _DI
         self._nstep = self._n("step") + _DI
 
@@ -98,14 +103,13 @@ class OpEncoder:
 
     # ---- cached blocks ----
     def head(self, run: str, stream: str, rank: int) -> tuple[bytes, bytes, bytes]:
-        """(record_id prefix, record_id annotation name, framed run/rank/stream annotations) of a stream."""
+        """(record_id prefix, record_id annotation name, b"") of a stream: run, rank, stream and index are
+        not annotations of their own (the record_id and the track imply them; read_export restores them)."""
         key = (run, stream, rank)
         h = self._heads.get(key)
         if h is None:
             h = self._heads[key] = (f"{run}/rank{rank}/{stream}/".encode("utf-8", "surrogatepass"),
-                                    self._n("record_id") + _DS,
-                                    _frame(self._cs("run", run)) + self._int("rank", rank) +
-                                    _frame(self._cs("stream", stream)))
+                                    self._n("record_id") + _DS, b"")
         return h
 
     def _site_block(self, file: str | None, line: int | None, scope: str | None, line_digest: str | None,
@@ -118,7 +122,8 @@ class OpEncoder:
                                   "identity": ident}
             if line_map is not None:
                 cs["line_map"] = line_map
-            b = _frame(self.ann.value("callsite", cs))
+            # one interned string (its JSON text), not a dict of 5-6 entries: ~6 bytes per slice, not ~38
+            b = _frame(self._cs("callsite", callsite_text(cs)))
             if context:
                 b += _frame(self._cs("context", context))
             if collective:
@@ -207,6 +212,7 @@ class OpEncoder:
             return b""
         out = [self._n(kind)]
         heads = self._slot_heads
+        raw_heads = self._raw_heads
         dpre = self._dpre
         packers = self._packers
         for i, s in enumerate(raw or ()):
@@ -214,14 +220,25 @@ class OpEncoder:
             if name.__class__ is not str:
                 name = str(s.get("slot", f"{prefix}{i}"))
             dt = s.get("dtype")
+            if dt.__class__ is not str:
+                dt = None
             dv = s.get("device")
+            if dv.__class__ is not str:
+                dv = None
             sh = s.get("shape")
-            key = (name, dt if dt.__class__ is str else None,
-                   tuple(sh) if sh.__class__ is list and all(x.__class__ is int for x in sh) else None,
-                   dv if dv.__class__ is str else None)
-            h = heads.get(key)
+            try:        # the shape's JSON text tells a list of ints from any other value exactly
+                rkey: tuple[Any, ...] | None = (name, dt, dv, _dumps(sh))
+            except TypeError:
+                rkey = None
+            h = raw_heads.get(rkey) if rkey is not None else None
             if h is None:
-                h = self._slot_head(*key)
+                key = (name, dt, tuple(sh) if sh.__class__ is list and all(x.__class__ is int for x in sh)
+                       else None, dv)
+                h = heads.get(key)
+                if h is None:
+                    h = self._slot_head(*key)
+                if rkey is not None:
+                    raw_heads[rkey] = h
             d = s.get("digest")
             if d.__class__ is str:
                 v = d.encode()
@@ -268,10 +285,10 @@ class OpEncoder:
     def _common(self, run: str, stream: str, rank: int, index: int, seq: Any, step: Any, site_block: bytes,
                 corr: tuple[str, str, str], other: bytes | None, diff: Diff | None) -> tuple[bytes, list[bytes]]:
         """(record_id bytes, framed annotations up to the slots)."""
-        prefix, rid, block = self.head(run, stream, rank)
+        prefix, rid, _ = self.head(run, stream, rank)
         ridb = prefix + b"%d" % index
         a = rid + uv(len(ridb)) + ridb
-        parts = [_E + uv(len(a)) + a, block, self._int("index", index)]
+        parts = [_E + uv(len(a)) + a]
         if seq is not None:
             parts.append(self._int("seq", int(seq)))
         if step is not None:
@@ -284,13 +301,15 @@ class OpEncoder:
         if diff is not None and diff.status == MISMATCH:
             dd: dict[str, object] = {"fields": ", ".join(diff.fields), "inputs_equal": diff.inputs_equal,
                                      "introduced": diff.introduced}
+            if diff.function:
+                dd["function"] = diff.function
             if diff.args:
                 dd["args"] = "; ".join(diff.args)
             dd.update(diff.numeric)
             parts.append(_frame(self.ann.value("diff", dd)))
         return ridb, parts
 
-    def site_entry(self, site: Site) -> tuple[bytes, bytes]:
+    def site_entry(self, site: RecordSite) -> tuple[bytes, bytes]:
         """(framed callsite/context/collective annotations, TrackEvent name field) of a call site."""
         return (self._site_block(site.file, site.line, site.scope, site.line_digest, site.site, site.context,
                                  site.collective, site.line_map), self.ann.event_name(site.function))
@@ -298,20 +317,19 @@ class OpEncoder:
     def capture_op(self, track: int, ts: int, head: tuple[bytes, bytes, bytes], site: tuple[bytes, bytes],
                    index: int, ridb: bytes, obj: dict[str, Any], dumps: dict[int, dict[str, str]],
                    corr: tuple[str, str, str], other: bytes | None, flow_out: int | None = None,
-                   flow_in: int | None = None, slots: bytes | None = None) -> bytes:
+                   flow_in: int | None = None, slots: bytes | None = None, same: bool = False) -> bytes:
         """Emit the slice of a capture ``op`` record (no diff: ``ok`` or unresolved) straight from its
         JSON object. ``head``: :meth:`head` of its stream; ``site``: :meth:`site_entry` of its call
         site (as pass 1 found it for this record); ``ridb``: its :meth:`record_id`. Returns the
         encoded slot annotations, which the caller may pass back as ``slots`` for a record whose
-        slots are equal in every field. Raises KeyError/TypeError/ValueError/AttributeError on a
-        record it does not take (the caller then takes the :class:`Record` path, which reports what
-        is wrong with it)."""
+        slots are equal in every field; ``same``: write ``slots: same as other`` instead of them (B's
+        slice of an ``ok`` pair whose recorded slots equal A's in every field). Raises KeyError/
+        TypeError/ValueError/AttributeError on a record it does not take (the caller then takes the
+        :class:`Record` path, which reports what is wrong with it)."""
         if obj["rank"].__class__ is not int:
             raise TypeError("rank")
         a = head[1] + uv(len(ridb)) + ridb
-        v = varint(index)
-        ni = self._ni
-        parts = [_E + uv(len(a)) + a, head[2], _E + _U[len(ni) + len(v)] + ni + v]     # _U: lengths < 2**14
+        parts = [_E + uv(len(a)) + a]
         seq: Any = obj.get("seq")
         if seq is not None:
             v = varint(int(seq))
@@ -321,9 +339,15 @@ class OpEncoder:
             v = varint(int(step))
             parts.append(_E + _U[len(self._nstep) + len(v)] + self._nstep + v)
         parts.append(site[0])
-        pre, post, tail = self._corr(*corr)
-        c = pre + self._sb("other", other) + post if other is not None else pre + post
-        parts.append(_E + uv(len(c)) + c)
+        cb = self._corrs.get(corr)
+        pre, post, tail = cb if cb is not None else self._corr(*corr)
+        if other is not None:
+            op = self._str_pre.get(("other", len(other)))
+            c = pre + (op + other if op is not None else self._sb("other", other)) + post
+        else:
+            c = pre + post
+        n = len(c)
+        parts.append(_E + (_U[n] if n < _NU else uv(n)) + c)
         parts.append(tail)
         if slots is None:
             d = dumps.get(seq) if dumps else None
@@ -332,13 +356,13 @@ class OpEncoder:
         raw_args = obj.get("args")
         if raw_args:
             parts.append(self._args(capture_args(raw_args)))
-        parts.append(slots)
+        parts.append(self._same if same else slots)
         self.w.slice_named(track, ts, site[1], b"".join(parts), flow_out, flow_in)
         return slots
 
     def op(self, track: int, ts: int, run: str, stream: str, rec: Record, corr: tuple[str, str, str],
            other: bytes | None, diff: Diff | None, flow_out: int | None = None, flow_in: int | None = None,
-           slots: bytes | None = None) -> bytes:
+           slots: bytes | None = None, same: bool = False) -> bytes:
         """Emit the slice of a :class:`Record`; returns (and takes) slots as :meth:`capture_op` does."""
         block = self._site_block(rec.file, rec.line, rec.scope, rec.line_digest, rec.site, rec.context,
                                  rec.collective, rec.line_map)
@@ -350,7 +374,7 @@ class OpEncoder:
                 (_frame(self._dict("outputs", outs)) if outs else b"")
         if rec.args:
             parts.append(self._args(rec.args))
-        parts.append(slots)
+        parts.append(self._same if same else slots)
         name = self._fnames.get(rec.function)
         if name is None:
             name = self._fnames[rec.function] = self.ann.event_name(rec.function)

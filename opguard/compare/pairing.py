@@ -8,8 +8,10 @@ The rules, and nothing else (no similarity scores, no repair passes):
    operations; of those matches only a longest set whose order agrees on both sides is kept
    (longest increasing subsequence; ties keep the earliest), basis ``input-anchor``.
 3. Between consecutive anchors (and before the first / after the last), equal call-site key
-   sequences pair in order, basis ``between-anchors``. Every other operation stays unresolved
-   with a reason from :data:`REASONS`.
+   sequences pair in order, basis ``between-anchors``; a segment that differs only in the function
+   called at the same call sites pairs in order too when the first such call at each of those
+   sites had equal captured inputs, the calls whose function differs with basis
+   ``function-differs``. Every other operation stays unresolved with a reason from :data:`REASONS`.
 
 Keys and anchor keys are plain integers chosen by the caller (:mod:`opguard.compare.records`):
 this module never sees an output value or shape.
@@ -29,8 +31,9 @@ from dataclasses import dataclass
 EQUAL_SEQUENCE = "equal-sequence"
 INPUT_ANCHOR = "input-anchor"
 BETWEEN_ANCHORS = "between-anchors"
+FUNCTION_DIFFERS = "function-differs"
 ALIGN_MAP = "alignment-map"
-BASES = (EQUAL_SEQUENCE, INPUT_ANCHOR, BETWEEN_ANCHORS, ALIGN_MAP)
+BASES = (EQUAL_SEQUENCE, INPUT_ANCHOR, BETWEEN_ANCHORS, FUNCTION_DIFFERS, ALIGN_MAP)
 
 # reasons of an unresolved operation (the documented list, docs/compare.md §3)
 NO_CORRESPONDING_FILE = "no-corresponding-file"
@@ -130,9 +133,43 @@ def _unique(anchors: Sequence[int]) -> dict[int, int]:
     return {key: i for key, i in last.items() if counts[key] == 1 and key != NO_ANCHOR}
 
 
+def _other_function(seg_a: range, seg_b: range, keys_a: Sequence[int], keys_b: Sequence[int],
+                    sites_a: Sequence[int], sites_b: Sequence[int], inputs_a: Sequence[int],
+                    inputs_b: Sequence[int], edited: set[int]) -> list[int] | None:
+    """docs/compare.md §2 rule 5: a segment whose call-site keys differ only in the function, at
+    call sites (keys without the function) equal position by position, pairs in order when every
+    position whose function differs is at a call site established as calling another function —
+    by that position's captured inputs being equal (then it is established, also for later
+    segments: ``edited``) or by an earlier segment. Returns the positions (in the segment) whose
+    function differs, or None when the segment does not pair this way."""
+    if len(seg_a) != len(seg_b) or not seg_a:
+        return None
+    differ: list[int] = []
+    new: set[int] = set()
+    for k, (i, j) in enumerate(zip(seg_a, seg_b, strict=True)):
+        if keys_a[i] == keys_b[j]:
+            continue
+        site = sites_a[i]
+        if site != sites_b[j]:
+            return None
+        if site not in edited and site not in new:
+            if inputs_a[i] == NO_ANCHOR or inputs_a[i] != inputs_b[j]:
+                return None
+            new.add(site)
+        differ.append(k)
+    edited.update(new)
+    return differ
+
+
 def pair_streams(keys_a: Sequence[int], keys_b: Sequence[int],
-                 anchors_a: Sequence[int], anchors_b: Sequence[int]) -> Pairing:
-    """Pair two streams given their call-site keys and anchor keys (``NO_ANCHOR`` = none)."""
+                 anchors_a: Sequence[int], anchors_b: Sequence[int],
+                 sites_a: Sequence[int] | None = None, sites_b: Sequence[int] | None = None,
+                 inputs_a: Sequence[int] | None = None, inputs_b: Sequence[int] | None = None) -> Pairing:
+    """Pair two streams given their call-site keys and anchor keys (``NO_ANCHOR`` = none).
+
+    ``sites_*`` (call-site keys without the function) and ``inputs_*`` (captured-input keys without
+    the function, ``NO_ANCHOR`` = none), when given, let a segment whose function differs at the
+    same call site pair (basis ``function-differs``, :func:`_other_function`)."""
     na, nb = len(keys_a), len(keys_b)
     a_to_b = array("q", [-1]) * na
     b_to_a = array("q", [-1]) * nb
@@ -163,6 +200,7 @@ def pair_streams(keys_a: Sequence[int], keys_b: Sequence[int],
         basis_a[i] = INPUT_ANCHOR
     result.anchors = len(kept)
 
+    edited: set[int] = set()       # call sites established as calling another function in B
     bounds = [(-1, -1), *kept, (na, nb)]
     for (a0, b0), (a1, b1) in itertools.pairwise(bounds):
         if a1 == a0 + 1 and b1 == b0 + 1:
@@ -175,6 +213,16 @@ def pair_streams(keys_a: Sequence[int], keys_b: Sequence[int],
                 b_to_a[j] = i
                 basis_a[i] = BETWEEN_ANCHORS
             continue
+        if sites_a is not None and sites_b is not None and inputs_a is not None and inputs_b is not None:
+            differ = _other_function(seg_a, seg_b, keys_a, keys_b, sites_a, sites_b, inputs_a, inputs_b, edited)
+            if differ is not None:
+                for i, j in zip(seg_a, seg_b, strict=True):
+                    a_to_b[i] = j
+                    b_to_a[j] = i
+                    basis_a[i] = BETWEEN_ANCHORS
+                for k in differ:
+                    basis_a[seg_a[k]] = FUNCTION_DIFFERS
+                continue
         why = NO_COUNTERPART_IN_SEGMENT if (not seg_a or not seg_b) else SEGMENT_DIFFERS
         for i in seg_a:
             reason_a[i] = ANCHOR_ORDER_CONFLICT if i in conflict_a else why

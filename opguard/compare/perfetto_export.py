@@ -13,8 +13,9 @@ The file is written to a temporary name beside OUT and renamed into place when c
 from __future__ import annotations
 
 import errno
-import hashlib
+import json
 import os
+import re
 import secrets
 import shutil
 import struct
@@ -121,18 +122,23 @@ class ExportWriter:
             parts = self._track_parts[track] = (vfield(F.E_TYPE, F.SLICE_BEGIN) + vfield(F.E_TRACK, track), seq,
                                                 ld(F.P_TRACK_EVENT, end) + seq)
         begin, seq, end_tail = parts
-        ev = begin + name_field + framed
+        n = len(begin) + len(name_field) + len(framed)     # the TrackEvent's length
+        fo = fi = b""
         if flow_out is not None:
-            ev += _FLOW_OUT + _pack_q(flow_out)
+            fo = _FLOW_OUT + _pack_q(flow_out)
+            n += len(fo)
             self.flows += 1
         if flow_in is not None:
-            ev += _FLOW_IN + _pack_q(flow_in)
-        pkt = _TS + varint(ts) + _EVENT + uv(len(ev)) + ev + seq
-        if self.ann.pending:
-            pkt += ld(F.P_INTERNED, self.ann.take_new_names())
-        pkt += _NEEDS_STATE
+            fi = _FLOW_IN + _pack_q(flow_in)
+            n += len(fi)
+        tsv = varint(ts)
+        evl = uv(n)
+        interned = ld(F.P_INTERNED, self.ann.take_new_names()) if self.ann.pending else b""
         end = _TS + varint(ts + SLICE_NS) + end_tail
-        self._f.write(_PACKET + uv(len(pkt)) + pkt + _PACKET + uv(len(end)) + end)
+        self._f.write(b"".join((_PACKET, uv(len(_TS) + len(tsv) + len(_EVENT) + len(evl) + n + len(seq) + len(interned)
+                                             + len(_NEEDS_STATE)),
+                                _TS, tsv, _EVENT, evl, begin, name_field, framed, fo, fi, seq, interned, _NEEDS_STATE,
+                                _PACKET, uv(len(end)), end)))
         self.slices += 1
 
     def append_part(self, part: Path, slices: int, flows: int) -> None:
@@ -177,14 +183,6 @@ def _copy(src: BinaryIO, dst: BinaryIO) -> None:
     src.seek(done)
     dst.seek(0, os.SEEK_END)
     shutil.copyfileobj(src, dst, 1 << 22)      # the rest (none unless the kernel could not copy)
-
-
-def file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 # ---- reading an export back (align, tests) ------------------------------------------------------
@@ -262,4 +260,46 @@ def read_export(path: Path) -> Export:
     if "opguard.export" not in attributes:
         raise ConfigError(f"{path} is a Perfetto trace but not an opguard compare export",
                           "pass a file written by `opguard compare -o`")
+    restore_implied(ops)
     return Export(attributes, tracks, ops)
+
+
+def callsite_text(cs: dict[str, Any]) -> str:
+    """The ``callsite`` annotation's value: the JSON text of its dict (entries that are None left out)."""
+    return json.dumps({k: v for k, v in cs.items() if v is not None}, separators=(",", ":"))
+
+
+IMPLIED = ("run", "rank", "stream", "index")      # derived from record_id, not written (docs/compare.md §5)
+_RECORD_ID = re.compile(r"([^/]+)/rank(-?\d+)/(.+)/(\d+)")
+
+
+def restore_implied(ops: list[ExportedOp]) -> None:
+    """What the export leaves implied, made explicit in each op's args (docs/compare.md §5): the
+    ``callsite`` dict from its JSON text, ``run``,
+    ``rank``, ``stream`` and ``index`` from the record_id, and the ``inputs``/``outputs`` of a slice
+    marked ``slots: same as other`` copied from the slice its ``correspondence.other`` names."""
+    by_id: dict[str, ExportedOp] = {}
+    for op in ops:
+        cs = op.args.get("callsite")
+        if isinstance(cs, str) and cs.startswith("{"):
+            op.args["callsite"] = json.loads(cs)
+        rid = op.args.get("record_id")
+        if isinstance(rid, str):
+            by_id[rid] = op
+            m = _RECORD_ID.fullmatch(rid)
+            if m and "run" not in op.args:
+                rest = {k: v for k, v in op.args.items() if k != "record_id"}
+                op.args.clear()
+                op.args.update(record_id=rid, run=m[1], rank=int(m[2]), stream=m[3], index=int(m[4]), **rest)
+    for op in ops:
+        if op.args.get("slots") != "same as other":
+            continue
+        corr = op.args.get("correspondence")
+        other = by_id.get(corr.get("other", "")) if isinstance(corr, dict) else None
+        if other is None:
+            raise ConfigError(f"slice {op.record_id} says its slots are those of the other run's slice, but "
+                              "that slice is not in the export", "pass an export written whole by opguard compare")
+        del op.args["slots"]
+        for k in ("inputs", "outputs"):
+            if k in other.args:
+                op.args[k] = other.args[k]

@@ -161,7 +161,7 @@ def stripped_line_digest(text: str) -> str:
     return hashlib.sha256(text.strip().encode("utf-8")).hexdigest()
 
 
-class SourceIndex:
+class SourceCopies:
     """Source files by path (for the line correspondence of docs/compare.md §2); never exported per
     operation. ``rewritten``: the copies are the reference implementation's rewritten sources, whose
     original lines are recovered (§2.1)."""
@@ -246,7 +246,7 @@ def capture_context(obj: Mapping[str, Any]) -> str:
 
 
 @dataclass(slots=True, frozen=True)
-class Site:
+class RecordSite:
     """Everything a capture record's call-site fields determine (computed once per distinct site)."""
 
     function: str
@@ -265,11 +265,11 @@ class Site:
 class SiteCache:
     """Call sites of capture records by their raw fields: identity work once per distinct site."""
 
-    def __init__(self, sources: SourceIndex | None) -> None:
+    def __init__(self, sources: SourceCopies | None) -> None:
         self.sources = sources
-        self._sites: dict[tuple[Any, ...], Site] = {}
+        self._sites: dict[tuple[Any, ...], RecordSite] = {}
 
-    def get(self, obj: Mapping[str, Any]) -> Site:
+    def get(self, obj: Mapping[str, Any]) -> RecordSite:
         raw = (obj["fn"], obj.get("file"), obj.get("line"), obj.get("src"), obj.get("func"), obj.get("module"),
                obj.get("context"), obj.get("phase"), obj.get("api"))
         site = self._sites.get(raw)
@@ -277,7 +277,7 @@ class SiteCache:
             site = self._sites[raw] = self._make(obj)
         return site
 
-    def _make(self, obj: Mapping[str, Any]) -> Site:
+    def _make(self, obj: Mapping[str, Any]) -> RecordSite:
         file = obj.get("file")
         line = obj.get("line")
         digest = obj.get("src")
@@ -287,7 +287,7 @@ class SiteCache:
         ident = line_site(file, line, None, None)      # provisional: linemap.assign_identities decides
         context = capture_context(obj)
         key = f"{function}\x00{ident}\x00{context}"
-        return Site(function, file, line, obj.get("func"), digest, ident, context,
+        return RecordSite(function, file, line, obj.get("func"), digest, ident, context,
                     obj.get("api") == "collective" or is_collective(function), key, key)
 
 
@@ -298,7 +298,7 @@ def anchor_text(function: str, pairs: list[tuple[str, str]]) -> str | None:
     return function + "\x00" + "\x00".join(f"{n}={d}" for n, d in pairs)
 
 
-def capture_index_fields(obj: Mapping[str, Any], sites: SiteCache) -> tuple[Site, str | None]:
+def capture_index_fields(obj: Mapping[str, Any], sites: SiteCache) -> tuple[RecordSite, str | None]:
     """What pairing needs of a capture op record, without building its slots."""
     site = sites.get(obj)
     pairs = []
@@ -376,7 +376,7 @@ def reference_file(obj: Mapping[str, Any], line: int | None) -> str | None:
     return None
 
 
-def from_reference(obj: Mapping[str, Any], sources: SourceIndex | None, where: str) -> Record:
+def from_reference(obj: Mapping[str, Any], sources: SourceCopies | None, where: str) -> Record:
     """A reference trace record (``counter``, ``function``, ``inputs``/``outputs``, ``gpu_rank``)."""
     try:
         function = unbracket(str(obj["function"]))

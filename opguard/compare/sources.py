@@ -25,7 +25,7 @@ import re
 import shutil
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,7 +37,7 @@ from opguard.compare.records import (
     CAPTURE_VERSIONS,
     Record,
     SiteCache,
-    SourceIndex,
+    SourceCopies,
     bad_line,
     capture_index_fields,
     from_capture,
@@ -47,14 +47,20 @@ from opguard.compare.records import (
     loads,
 )
 from opguard.errors import ConfigError, IdentityError, IntegrityError, OpguardError
+from opguard.staging.layout import (
+    CAPTURE_DIRNAME,
+    CAPTURE_META_FILE,
+    CAPTURE_SOURCES_FILE,
+    CAPTURE_TRACE_FILE,
+    NODE_COPY_DIRNAME,
+)
+from opguard.staging.names import parse_rank_stream
+from opguard.staging.writers import parse_segment
 
 REF_STREAM = "ops"
-_RANK_DIR = re.compile(r"rank-([0-9]{6,})")
 _GPU_DIR = re.compile(r"gpu_([0-9]{3,})")
-_SEGMENT = re.compile(r"^(?P<stem>.*?)(?:\.(?P<n>[0-9]{6}))?(?P<suffix>\.jsonl|\.ndjson)$")
 
 KIND_CAPTURE = "opguard-capture"
-CAPTURE_DIR = "capture"
 CAPTURE_STREAM = "capture"
 KIND_REFERENCE = "reference-exec-trace"
 
@@ -67,7 +73,7 @@ class Stream:
     rank: int
     name: str
     files: list[Path]
-    sources: SourceIndex
+    sources: SourceCopies
     rank_dir: Path = Path()
     dumps: dict[int, dict[str, str]] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
@@ -147,6 +153,38 @@ class Stream:
                         ended = True
         if from_start and not ended:
             self.notes.append("no end record: the capture did not end cleanly (the trace may be incomplete)")
+
+    def capture_op_lines(self, start: tuple[int, int], files: Sequence[int], offsets: Sequence[int],
+                         first: int) -> Iterator[tuple[int, int, int, bytes]]:
+        """(file index, line number, byte offset, line) of the ``op`` records from operation
+        ``first``, which begins at ``start`` (pass 2): the lines at the positions pass 1 found
+        (``files``/``offsets``: each operation's file index and byte offset; pass 1 checked every
+        line, so nothing is parsed here: :meth:`parse_op` parses a line when it is needed)."""
+        k, nops = first, len(offsets)
+        for fi in range(start[0], len(self.files)):
+            off = start[1] if fi == start[0] else 0
+            with open(self.files[fi], "rb") as f:
+                f.seek(off)
+                for n, line in enumerate(f, 1):
+                    if k >= nops:
+                        return
+                    if offsets[k] == off and files[k] == fi:
+                        yield fi, n, off, line
+                        k += 1
+                    off += len(line)
+
+    def parse_op(self, fi: int, n: int, offset: int, line: bytes, start: tuple[int, int]) -> dict[str, Any]:
+        """An ``op`` line of :meth:`capture_op_lines` parsed (as :meth:`capture_ops` parses it)."""
+        try:
+            obj = orjson_loads(line)
+        except ValueError:
+            try:
+                obj = loads(line)
+            except ValueError as e:
+                raise bad_line(self.files[fi], n, offset, start[1] if fi == start[0] else 0, e) from None
+        if obj.__class__ is not dict:
+            raise bad_line(self.files[fi], n, offset, start[1] if fi == start[0] else 0, None)
+        return obj
 
     def index_fields(self) -> Iterator[tuple[str, str, str | None, bool, bool, int, int]]:
         """Per operation: (key, line key, anchor text, collective, has a source-line digest, file index,
@@ -231,28 +269,29 @@ class Run:
 # ---- discovery ---------------------------------------------------------------------------------
 
 def _segments(files: list[Path]) -> dict[str, list[Path]]:
+    """JSON-lines files grouped by the name of their segment 0 (``writers.parse_segment``), in segment order."""
     groups: dict[str, list[tuple[int, Path]]] = {}
     for p in files:
-        m = _SEGMENT.match(p.name)
-        if not m:
+        parsed = parse_segment(p.name)
+        if parsed is None:
             continue
-        base = str(p.parent / (m["stem"] + m["suffix"]))
-        groups.setdefault(base, []).append((int(m["n"] or 0), p))
+        base, n = parsed
+        groups.setdefault(str(p.parent / base), []).append((n, p))
     return {k: [p for _, p in sorted(v)] for k, v in groups.items()}
 
 
 def _capture_streams(run: Run, ranks_dir: Path) -> None:
     for rank_dir in sorted(ranks_dir.iterdir()):
-        m = _RANK_DIR.fullmatch(rank_dir.name)
-        cap = rank_dir / CAPTURE_DIR
-        if not m or not (cap / "trace.jsonl").exists():
-            if m and rank_dir.is_dir():
+        rank_or_none = parse_rank_stream(rank_dir.name)
+        cap = rank_dir / CAPTURE_DIRNAME
+        if rank_or_none is None or not (cap / CAPTURE_TRACE_FILE).exists():
+            if rank_or_none is not None and rank_dir.is_dir():
                 run.skipped.append(rank_dir.name)
             continue
-        rank = int(m[1])
+        rank = rank_or_none
         meta_notes: list[str] = []
-        _check_meta(cap / "meta.json", rank, meta_notes)
-        segs = _segments([p for p in cap.iterdir() if p.is_file()]).get(str(cap / "trace.jsonl"), [])
+        _check_meta(cap / CAPTURE_META_FILE, rank, meta_notes)
+        segs = _segments([p for p in cap.iterdir() if p.is_file()]).get(str(cap / CAPTURE_TRACE_FILE), [])
         run.streams[(rank, CAPTURE_STREAM)] = Stream(KIND_CAPTURE, rank, CAPTURE_STREAM, segs,
                                                      _capture_sources(rank_dir), rank_dir,
                                                      meta_notes=meta_notes)
@@ -276,20 +315,20 @@ def _check_meta(path: Path, rank: int, notes: list[str]) -> None:
                           "a rank directory must hold only its own rank's capture")
 
 
-def _capture_sources(rank_dir: Path) -> SourceIndex:
+def _capture_sources(rank_dir: Path) -> SourceCopies:
     """Copies of the files in capture/sources.json (docs/capture.md §9) found in the rank's ``_node/``
     (restored node metadata), matched by name and SHA-256, or else the listed file itself while its
     SHA-256 is still the recorded one (docs/compare.md §2)."""
-    index = SourceIndex()
+    index = SourceCopies()
     try:
-        data = json.loads((rank_dir / CAPTURE_DIR / "sources.json").read_text())
+        data = json.loads((rank_dir / CAPTURE_DIRNAME / CAPTURE_SOURCES_FILE).read_text())
     except (OSError, ValueError):
         return index
     wanted: dict[str, tuple[str, str]] = {}
     for f in data.get("files", []) if isinstance(data, dict) else []:
         if isinstance(f, dict) and isinstance(f.get("path"), str) and isinstance(f.get("sha256"), str):
             wanted[os.path.basename(f["path"])] = (f["path"], f["sha256"])
-    node = rank_dir / "_node"
+    node = rank_dir / NODE_COPY_DIRNAME
     if node.is_dir():
         for cand in node.rglob("*"):
             hit = wanted.get(cand.name)
@@ -305,8 +344,8 @@ def _capture_sources(rank_dir: Path) -> SourceIndex:
     return index
 
 
-def _reference_sources(exec_trace: Path, gpu_dir: Path) -> SourceIndex:
-    index = SourceIndex(rewritten=True)
+def _reference_sources(exec_trace: Path, gpu_dir: Path) -> SourceCopies:
+    index = SourceCopies(rewritten=True)
     for base in (gpu_dir, exec_trace):
         fi = base / "source_files" / "file_index.json"
         try:
@@ -348,22 +387,17 @@ def _scan(run: Run, root: Path) -> None:
         run.kind = KIND_REFERENCE
         _reference_streams(run, root.parent, [root])
         return
-    if _RANK_DIR.fullmatch(root.name):
+    lone_rank = parse_rank_stream(root.name)
+    if lone_rank is not None:
         run.kind = KIND_CAPTURE
         _capture_streams(run, root.parent)
-        run.streams = {k: v for k, v in run.streams.items() if k[0] == int(root.name[5:])}
-
-
-def _is_staged(path: Path) -> bool:
-    if (path / ".opguard-bundles").is_dir():
-        return True
-    return any(path.glob("sync.tar.gz")) or any(path.glob("**/sync.tar.gz"))
+        run.streams = {k: v for k, v in run.streams.items() if k[0] == lone_rank}
 
 
 @contextlib.contextmanager
 def open_run(given: str, label: str) -> Iterator[Run]:
     """Resolve ``given`` into a :class:`Run`; a staged target is restored into a temporary dir first."""
-    from opguard.staging.restore import materialize
+    from opguard.staging.restore import holds_published_data, materialize
 
     path = Path(given)
     if not path.exists():
@@ -378,10 +412,10 @@ def open_run(given: str, label: str) -> Iterator[Run]:
     run = Run(label, given, "", path.resolve())
     tmp: str | None = None
     try:
-        if _is_staged(path):
+        if holds_published_data(path):
             tmp = tempfile.mkdtemp(prefix=f"opguard-compare-{label}-")
             # a lone rank directory (e.g. gpu_003 holding sync.tar.gz) keeps its name: it carries the rank
-            dest = Path(tmp) / (path.name if _GPU_DIR.fullmatch(path.name) or _RANK_DIR.fullmatch(path.name)
+            dest = Path(tmp) / (path.name if _GPU_DIR.fullmatch(path.name) or parse_rank_stream(path.name) is not None
                                 else "restored")
             captured = io.StringIO()
             try:

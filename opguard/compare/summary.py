@@ -13,6 +13,7 @@ CAVEAT = ("caveat: unresolved operations precede it in this stream; an observed 
 ARGS_DIFFER = "arguments differ"
 OUTPUTS_DIFFER = "outputs differ, inputs and arguments equal"
 INHERITED = "inputs differ (inherited)"
+FUNCTION_DIFFERS_KIND = "function differs"
 JSON_VERSION = 1
 
 
@@ -32,9 +33,12 @@ class FirstMismatch:
     where_b: str = ""
     nearest_unresolved: str | None = None    # the last unresolved operation before it, described
     line_map_b: str | None = None             # how B's line corresponds to A's (docs/compare.md §2)
+    function_b: str | None = None             # B's function, when it differs (basis function-differs)
 
     def describe(self) -> str:
         what = "; ".join(self.args) if self.args else ", ".join(self.fields)
+        if self.function_b:
+            what = f"{self.function} -> {self.function_b}" + (f"; {what}" if what else "")
         nums = "; ".join(f"{slot}: " + ", ".join(f"{k}={v:.6g}" for k, v in vals.items())
                          for slot, vals in self.numeric.items())
         at = self.where if not self.where_b or self.where_b == self.where else f"{self.where} (B: {self.where_b})"
@@ -52,7 +56,7 @@ class FirstMismatch:
                 "where": self.where, "where_b": self.where_b or self.where, "module": self.module, "step": self.step,
                 "kind": self.kind, "args": self.args, "fields": self.fields, "numeric": self.numeric,
                 "unresolved_before": self.unresolved_before, "nearest_unresolved": self.nearest_unresolved,
-                "line_map_b": self.line_map_b}
+                "line_map_b": self.line_map_b, "function_b": self.function_b}
 
 
 @dataclass

@@ -171,16 +171,47 @@ def test_a_run_without_records_is_named(tmp_path: Path) -> None:
     assert "every operation is undetermined" not in p.stderr
 
 
-def test_unpaired_operations_are_never_reported_as_no_divergence(tmp_path: Path) -> None:
-    """B calls another function on the gelu's line (F.gelu -> F.silu): the pairs agree, but the ops
-    in the changed segment stay unpaired; the summary names the first of them instead of claiming
-    'no divergence' (it did before: every pair agreed)."""
+def test_a_function_that_differs_on_the_same_line_is_the_divergence(tmp_path: Path) -> None:
+    """B calls another function on the gelu's line (F.gelu -> F.silu) with the same inputs: the two
+    calls pair (basis function-differs, docs/compare.md §2 rule 5) and are the first introduced
+    divergence; everything else pairs as before. (It stayed unpaired before: segment-differs.)"""
     a_recs = _gpt_like("a", empty_digest=D("same"))
     b_recs = _gpt_like("b", empty_digest=D("same"))
     for r in b_recs:
         if r["fn"] == "torch.nn.functional.gelu":
             r["fn"] = "torch.nn.functional.silu"
             r["outputs"][0]["digest"] = D("silu", r["step"])
+    a = _write(tmp_path, "a", a_recs)
+    b = _write(tmp_path, "b", b_recs)
+    p = run_compare(a, b, tmp_path / "v.pftrace", extra=["--json", str(tmp_path / "s.json"),
+                                                         "--pairs", str(tmp_path / "p.jsonl")])
+    assert p.returncode == 0, p.stderr
+    assert "unaligned 0" in p.stderr and ": function differs: torch.nn.functional.gelu -> " \
+        "torch.nn.functional.silu; function, outputs.out.digest" in p.stderr, p.stderr
+    fd = json.loads((tmp_path / "s.json").read_text())["ranks"][0]["first_divergence"]
+    assert (fd["record_a"], fd["kind"], fd["function"], fd["function_b"]) == \
+        ("A/rank0/capture/2", "function differs", "torch.nn.functional.gelu", "torch.nn.functional.silu")
+    lines = [json.loads(x) for x in (tmp_path / "p.jsonl").read_text().splitlines()]
+    assert len(lines) == 10 and all(x["status"] != "unaligned" for x in lines)
+    fn = [x for x in lines if x["basis"] == "function-differs"]
+    assert [x["a"]["record"] for x in fn] == ["A/rank0/capture/2", "A/rank0/capture/7"]
+    assert all(x["function"] == "torch.nn.functional.gelu -> torch.nn.functional.silu" and x["introduced"]
+               for x in fn)
+    assert all(x["a"]["function"] == x["b"]["function"] for x in lines if x not in fn)
+
+
+def test_unpaired_operations_are_never_reported_as_no_divergence(tmp_path: Path) -> None:
+    """B calls another function on the gelu's line (F.gelu -> F.silu) and its input differs too (so
+    nothing establishes that the two calls correspond): the pairs agree, but the ops in the changed
+    segment stay unpaired; the summary names the first of them instead of claiming 'no divergence'
+    (it did before: every pair agreed)."""
+    a_recs = _gpt_like("a", empty_digest=D("same"))
+    b_recs = _gpt_like("b", empty_digest=D("same"))
+    for r in b_recs:
+        if r["fn"] == "torch.nn.functional.gelu":
+            r["fn"] = "torch.nn.functional.silu"
+            r["outputs"][0]["digest"] = D("silu", r["step"])
+            r["inputs"][0]["digest"] = D("another input", r["step"])
     a = _write(tmp_path, "a", a_recs)
     b = _write(tmp_path, "b", b_recs)
     p = run_compare(a, b, tmp_path / "v.pftrace")

@@ -176,12 +176,86 @@ def test_repeated_strings_are_interned_once_per_sequence(tmp_path: Path) -> None
         synth.write_rank(tmp_path / run, 0, recs)
     compare(str(tmp_path / "a"), str(tmp_path / "b"), tmp_path / "v.pftrace")
     data = (tmp_path / "v.pftrace").read_bytes()
-    assert data.count(b"/work/train.py") == 1 and data.count(b"torch.matmul") == 1
+    assert data.count(b"torch.matmul") == 1
     assert data.count(b"float32") == 1 and data.count(b"equal-sequence") == 1
     trace = pb.Trace.FromString(data)
+    texts = [s.str for p in trace.packet if p.HasField("interned_data")
+             for s in p.interned_data.debug_annotation_string_values if s.str.startswith(b'{"file":')]
+    # the callsite annotation is the interned JSON text of its dict: once per distinct call site
+    assert len(texts) == len(set(texts)) == data.count(b"/work/train.py") == len({r["line"] for r in synth.program()})
     begins = [p.track_event for p in trace.packet if p.HasField("track_event") and p.track_event.type == 1]
     assert len(begins) == 320 and all(ev.HasField("name_iid") and not ev.HasField("name") for ev in begins)
     ops = read_export(tmp_path / "v.pftrace").ops                  # the reader resolves the iids
     assert {op.name for op in ops} == {"torch.randn", "torch.matmul", "torch.relu", "torch.add", "torch.sum"}
     mm = next(op for op in ops if op.name == "torch.matmul")
     assert mm.args["callsite"]["file"] == "/work/train.py" and mm.args["inputs"]["arg0"]["dtype"] == "float32"
+
+
+def test_implied_annotations_are_left_out_and_restored(tmp_path: Path) -> None:
+    """docs/compare.md §5: run/rank/stream/index are not written (the record_id holds them), the
+    callsite is JSON text, and B's slice of an ok pair with slots equal in every field says
+    `slots: same as other`; read_export restores all of it. A pair whose slots differ keeps B's own."""
+    from perfetto.protos.perfetto.trace import perfetto_trace_pb2 as pb
+
+    from opguard.compare.engine import compare
+    from opguard.compare.perfetto_export import read_export
+    from opguard.compare.protoenc import decode_annotation
+    from tests.compare import synth
+
+    recs_a = [dict(r, seq=i, step=0) for i, r in enumerate(synth.program())]
+    recs_b = [dict(r, outputs=[dict(s) for s in r["outputs"]]) for r in recs_a]
+    recs_b[-1]["outputs"][0]["digest"] = "changed"              # the last op: a mismatch
+    synth.write_rank(tmp_path / "a", 0, recs_a)
+    synth.write_rank(tmp_path / "b", 0, recs_b)
+    compare(str(tmp_path / "a"), str(tmp_path / "b"), tmp_path / "v.pftrace")
+    trace = pb.Trace.FromString((tmp_path / "v.pftrace").read_bytes())
+    names: dict[int, str] = {}
+    strings: dict[int, str] = {}
+    raw = []
+    for p in trace.packet:
+        if p.HasField("interned_data"):
+            names.update({n.iid: n.name for n in p.interned_data.debug_annotation_names})
+            strings.update({s.iid: s.str.decode() for s in p.interned_data.debug_annotation_string_values})
+        if p.HasField("track_event") and p.track_event.type == 1:
+            raw.append(dict(decode_annotation(a, names, strings) for a in p.track_event.debug_annotations))
+    assert raw and not any(k in r for r in raw for k in ("run", "rank", "stream", "index"))
+    assert all(isinstance(r["callsite"], str) and r["callsite"].startswith('{"file":') for r in raw)
+    same = [r for r in raw if r.get("slots") == "same as other"]
+    assert len(same) == len(recs_a) - 1 and all(r["record_id"].startswith("B/") and "inputs" not in r for r in same)
+    ops = {op.record_id: op for op in read_export(tmp_path / "v.pftrace").ops}
+    n = len(recs_a)
+    for i in range(n):
+        a, b = ops[f"A/rank0/capture/{i}"].args, ops[f"B/rank0/capture/{i}"].args
+        assert (b["run"], b["rank"], b["stream"], b["index"]) == ("B", 0, "capture", i) and "slots" not in b
+        assert isinstance(b["callsite"], dict) and b["callsite"]["line"] == recs_a[i]["line"]
+        assert b.get("inputs") == a.get("inputs") and (b["outputs"] == a["outputs"]) == (i < n - 1)
+    assert ops[f"B/rank0/capture/{n - 1}"].args["outputs"]["out"]["digest"] == "changed"
+
+
+_LINE = (b'{"v":1,"kind":"op","seq":%s,"step":0,"rank":0,"fn":"torch.add","args":%s,'
+         b'"inputs":[{"slot":"arg0","digest":"%s"}],"outputs":[]}\n')
+
+
+@pytest.mark.parametrize(("a", "b", "fast"), [
+    (_LINE % (b"9", b"{}", b"d1"), _LINE % (b"10", b"{}", b"d1"), True),           # only seq differs
+    (_LINE % (b"7", b"{}", b"d1"), _LINE % (b"7", b"{}", b"d1"), True),            # identical
+    (_LINE % (b"9", b"{}", b"d1"), _LINE % (b"10", b"{}", b"d2"), False),          # an input differs
+    (_LINE % (b"9", b'{"seq":1}', b"d1"), _LINE % (b"10", b'{"seq":1}', b"d1"), False),  # a nested seq too
+    (_LINE % (b' 9', b"{}", b"d1"), _LINE % (b"10", b"{}", b"d1"), False),         # not digits only
+    (b'{"v":1,"kind":"op","fn":"x","seq":3}\n', b'{"v":1,"kind":"op","fn":"x","seq":4}\n', False),  # last key
+    (b'{"v":1,"fn":"[","seq":3,"step":1}\n', b'{"v":1,"fn":"[","seq":4,"step":1}\n', False),  # "[" before it
+    (b'{"v":1,"a":{"seq":3},"seq":3,"s":1}\n', b'{"v":1,"a":{"seq":3},"seq":4,"s":1}\n', False),  # nested first
+])
+def test_pass2_takes_b_as_a_with_bs_seq_only_when_parsing_b_would_give_that(a: bytes, b: bytes, fast: bool) -> None:
+    """Pass 2 skips parsing B's line of a pair when it equals A's except the top-level seq digits
+    (engine._same_but_seq); whenever it does, A's record with B's seq is exactly B's parsed record."""
+    import orjson
+
+    from opguard.compare.engine import _same_but_seq
+
+    got = _same_but_seq(a, b)
+    assert (got is not None) == fast
+    if got is not None:
+        oa, ob = orjson.loads(a), orjson.loads(b)
+        assert got == (oa["seq"], ob["seq"])
+        assert {**oa, "seq": got[1]} == ob

@@ -76,3 +76,26 @@ def test_pairs_are_monotone_and_one_to_one_on_random_inputs() -> None:
             assert (p.b_to_a[j] >= 0) != (p.reason_b[j] is not None)
         ra, rb = p.row_arrays()
         assert list(zip(ra, rb, strict=True)) == p.rows()
+
+
+def test_a_function_that_differs_at_the_same_call_site_pairs_when_its_inputs_are_equal() -> None:
+    """docs/compare.md §2 rule 5. Keys: function x call site; sites: the call site alone. Op 1 calls
+    another function at site 20 with equal inputs (established); op 4, the same site again in a
+    later segment (after the anchor at 3), differs in function with other inputs: paired too."""
+    from opguard.compare.pairing import FUNCTION_DIFFERS
+
+    keys_a, keys_b = [10, 21, 30, 40, 21], [10, 22, 30, 40, 22]
+    sites = [10, 20, 30, 40, 20]
+    anchors_a, anchors_b = [0, 0, 0, 7, 0], [0, 0, 0, 7, 0]
+    inputs_a, inputs_b = [1, 5, 6, 7, 8], [1, 5, 9, 7, 99]
+    p = pair_streams(keys_a, keys_b, anchors_a, anchors_b, sites, sites, inputs_a, inputs_b)
+    assert list(p.a_to_b) == [0, 1, 2, 3, 4]
+    assert p.basis_a == [BETWEEN_ANCHORS, FUNCTION_DIFFERS, BETWEEN_ANCHORS, INPUT_ANCHOR, FUNCTION_DIFFERS]
+    # inputs not equal where the function first differs: nothing establishes it, the segment differs
+    p = pair_streams(keys_a, keys_b, anchors_a, anchors_b, sites, sites, [1, 5, 6, 7, 8], [1, 4, 6, 7, 98])
+    assert list(p.a_to_b) == [-1, -1, -1, 3, -1] and p.reason_a[1] == SEGMENT_DIFFERS
+    # another call site (not only the function) differs: never paired this way
+    p = pair_streams(keys_a, keys_b, anchors_a, anchors_b, sites, [10, 25, 30, 40, 20], inputs_a, inputs_a)
+    assert p.a_to_b[1] == -1 and p.reason_a[1] == SEGMENT_DIFFERS
+    # without sites/inputs (the caller gives none): the rule does not apply
+    assert pair_streams(keys_a, keys_b, anchors_a, anchors_b).a_to_b[1] == -1

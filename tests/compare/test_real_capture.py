@@ -41,6 +41,8 @@ def _variant(name: str) -> str:
         src = src.replace("s = torch.add(z, a)  # <numeric>", "s = torch.add(z, a, alpha=1.01)  # <numeric>")
     elif name == "inserted-line":
         src = src.replace("        # <inserted-line>\n", "        # <inserted-line>\n        t = torch.zeros(4, 16)\n")
+    elif name in ("silu", "mish"):        # the <first> line calls another function (the base: sigmoid)
+        src = src.replace("a = torch.sigmoid(h)  # <first>", f"a = F.{name}(h)  # <first>")
     elif name == "reordered":
         first = "        a = torch.sigmoid(h)  # <first>\n"
         second = "        b = torch.tanh(z)  # <second>\n"
@@ -300,3 +302,49 @@ def test_rank_present_in_one_run_only(runs: dict[str, Path], tmp_path: Path) -> 
     assert "rank 1 [capture]: only in run A" in err
     rank0 = ops_of(export, "A", 0)
     assert all(op.args["correspondence"]["state"] == "paired" for op in rank0)
+
+
+@pytest.fixture(scope="module")
+def fn_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    if not TORCHRUN.exists():
+        pytest.skip("torchrun is not installed in this virtualenv (pip install torch, CPU build)")
+    root = tmp_path_factory.mktemp("fn-runs")
+    started = {name: _start(root / name, name) for name in ("silu", "mish")}
+    for name, (_, proc) in started.items():
+        _, err = proc.communicate(timeout=600)
+        assert proc.returncode == 0, f"{name}: exit {proc.returncode}: {err[-2000:]}"
+    return {name: base for name, (base, _) in started.items()}
+
+
+def test_a_line_that_calls_another_function_is_the_divergence(fn_runs: dict[str, Path], tmp_path: Path) -> None:
+    """`a = F.silu(h)` edited in place to `a = F.mish(h)`: the two calls (same mapped line, equal inputs)
+    pair with basis function-differs and are each rank's first introduced divergence; every other
+    operation pairs with an operation of its own function, in order (before: 318 ops undetermined,
+    segment-differs, and the summary pointed at first_unresolved)."""
+    err, export = _compare(fn_runs, "mish", tmp_path, a="silu")
+    line = _train_line("a = torch.sigmoid(h)")
+    ids = export.by_id()
+    for rank in (0, 1):
+        fd = _first(tmp_path, "mish", rank)
+        assert fd is not None, err
+        assert (fd["kind"], fd["function"], fd["function_b"], fd["step"], fd["unresolved_before"]) == \
+            ("function differs", "torch.nn.functional.silu", "torch.nn.functional.mish", 0, 0), fd
+        assert fd["where"].endswith(f"/silu/src/train.py:{line}") and fd["line_map_b"] == f"edited A:{line}"
+        a, b = ops_of(export, "A", rank), ops_of(export, "B", rank)
+        assert all(op.args["correspondence"]["state"] == "paired" for op in a + b), err
+        first = next(op for op in a if op.args["status"] == "mismatch")
+        assert (first.record_id, first.name) == (fd["record_a"], "torch.nn.functional.silu")
+        assert all(op.args["status"] == "ok" for op in a[: a.index(first)])
+        assert ids[first.args["correspondence"]["other"]].name == "torch.nn.functional.mish"
+        for op in a:
+            c = op.args["correspondence"]
+            other = ids[c["other"]]
+            assert int(other.args["index"]) == int(op.args["index"])       # the same program: in order
+            if c["basis"] == "function-differs":
+                assert op.args["callsite"]["identity"] == other.args["callsite"]["identity"] == f"train.py:{line}"
+            else:
+                assert other.name == op.name
+        # the op after it that reads its output pairs too, its difference inherited
+        add = next(op for op in a[a.index(first):] if op.name == "torch.add")
+        assert add.args["status"] == "mismatch" and add.args["diff"]["introduced"] is False
+    assert err.count(": function differs: torch.nn.functional.silu -> torch.nn.functional.mish") == 2, err

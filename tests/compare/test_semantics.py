@@ -110,3 +110,62 @@ def test_parallel_passes_write_the_same_view(tmp_path: Path, monkeypatch: pytest
         [(o.record_id, o.ts, o.args, o.flows_out, o.flows_in) for o in sorted(ep.ops, key=key)]
     assert serial.streams[(0, "capture")].reasons_b["no-counterpart-in-segment"] == 1
     assert not list(tmp_path.glob(".*opguard-part-*"))
+
+
+def _two_runs(tmp_path: Path) -> None:
+    for run in ("a", "b"):
+        recs = [dict(r, seq=k, step=0) for k, r in enumerate(synth.program() * 20)]
+        synth.write_rank(tmp_path / run, 0, recs)
+
+
+def test_forked_workers_only_where_forkpool_is_available(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The passes fork through opguard.staging.forkpool, and only where forkpool.available() says a
+    fork is safe (e.g. not with other threads running): otherwise everything runs in this process."""
+    from opguard.compare import engine
+    from opguard.staging import forkpool
+
+    _two_runs(tmp_path)
+    monkeypatch.setattr(engine, "PARALLEL_MIN_OPS", 1)
+    monkeypatch.setattr(engine, "workers", lambda: 2)
+    calls: list[int] = []
+    real_run = forkpool.run
+
+    def counting_run(jobs, workers, fn, lost, before_fork=None, where="?"):  # type: ignore[no-untyped-def]
+        calls.append(len(jobs))
+        assert where == "a compare worker process"  # what a worker's traceback note says
+        return real_run(jobs, workers, fn, lost, before_fork, where)
+
+    monkeypatch.setattr(forkpool, "run", counting_run)
+    forked = compare(str(tmp_path / "a"), str(tmp_path / "b"), tmp_path / "forked.pftrace")
+    assert calls == [2, 2]                      # pass 1 (one job per run), pass 2 (one per worker)
+    monkeypatch.setattr(forkpool, "available", lambda: False)
+    here = compare(str(tmp_path / "a"), str(tmp_path / "b"), tmp_path / "here.pftrace")
+    assert calls == [2, 2]                      # nothing forked
+    assert forked.render().splitlines()[1:] == here.render().splitlines()[1:]
+
+
+def test_a_worker_that_dies_is_an_error_and_leaves_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A pass-2 worker killed (SIGKILL, as the OOM killer does): exit 1 naming how it died; no export,
+    no temporary or part file left."""
+    import os
+    import signal
+
+    from opguard.compare import engine
+    from opguard.errors import OpguardError
+
+    _two_runs(tmp_path)
+    monkeypatch.setattr(engine, "PARALLEL_MIN_OPS", 1)
+    monkeypatch.setattr(engine, "workers", lambda: 2)
+    parent = os.getpid()
+    real = engine._rows_worker
+
+    def dying(r0: int, r1: int, part: str, seq_id: int) -> object:
+        if os.getpid() != parent and r0 > 0:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return real(r0, r1, part, seq_id)
+
+    monkeypatch.setattr(engine, "_rows_worker", dying)
+    with pytest.raises(OpguardError) as e:
+        compare(str(tmp_path / "a"), str(tmp_path / "b"), tmp_path / "v.pftrace")
+    assert e.value.exit_code == 1 and "was killed by SIGKILL" in str(e.value)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "b"]

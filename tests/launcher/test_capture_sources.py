@@ -70,7 +70,14 @@ def test_opguard_run_publishes_the_capture_sources_with_the_node(staging_env: di
                        env=staging_env, capture_output=True, text=True, timeout=120)
     assert m.returncode == 0, m.stderr
     rank = dest / "ranks" / "rank-000000"
-    found = _capture_sources(rank)
+    ran = src.read_bytes()
     copies = list((rank / "_node").rglob("layers.py"))
-    assert len(copies) == 1 and copies[0].read_bytes() == src.read_bytes(), sorted(map(str, dest.rglob("*")))
-    assert found.files[str(src)].read_bytes() == src.read_bytes()  # the comparison finds the copy
+    assert len(copies) == 1 and copies[0].read_bytes() == ran, sorted(map(str, dest.rglob("*")))
+    # the original edited after the run: compare may no longer use it (its SHA-256 changed), so what
+    # it finds must be the copy in _node/, with the bytes that ran
+    src.write_text("def f(x):\n    return x * 3\n")
+    found = _capture_sources(rank)
+    assert found.files[str(src)] == copies[0] and found.files[str(src)].read_bytes() == ran
+    src.unlink()  # and gone altogether
+    again = _capture_sources(rank)
+    assert again.files[str(src)] == copies[0] and again.lines(str(src)) == ["def f(x):", "    return x * 2"]
