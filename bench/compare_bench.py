@@ -1,6 +1,6 @@
 """Benchmark: `opguard compare` of N operations per side (default 1,000,000), capture schema v1.
 
-    .venv/bin/python bench/compare_bench.py [--ops 1000000] [--ranks 1] [--workdir DIR]
+    .venv/bin/python bench/compare_bench.py [--ops 1000000] [--ranks 1] [--workdir DIR] [--repeat N]
 
 Writes two synthetic runs in the documented capture schema (docs/capture.md §3): run B equals
 run A except for one inserted call in the middle of every rank (so the whole stream goes through
@@ -21,6 +21,7 @@ import json
 import os
 import resource
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -120,6 +121,7 @@ def main() -> None:
     ap.add_argument("--ops", type=int, default=1_000_000)
     ap.add_argument("--ranks", type=int, default=1)
     ap.add_argument("--workdir", type=Path, default=None)
+    ap.add_argument("--repeat", type=int, default=1, help="run the compare N times; figures are the medians")
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="opguard-compare-bench-", dir=args.workdir))
     try:
@@ -134,25 +136,35 @@ def main() -> None:
         load_start = os.getloadavg()
         out = work / "view.pftrace"
         opguard = Path(sys.executable).parent / "opguard"
-        t = time.perf_counter()
-        errf = open(work / "stderr.txt", "w+")  # noqa: SIM115
-        proc = subprocess.Popen([str(opguard), "compare", str(work / "a"), str(work / "b"), "-o", str(out)],
-                                stdout=subprocess.DEVNULL, stderr=errf)
-        tree_peak, uss_peak = _watch_tree(proc)
-        wall = time.perf_counter() - t
-        errf.seek(0)
-        p = subprocess.CompletedProcess(proc.args, proc.returncode, "", errf.read())
-        ru = resource.getrusage(resource.RUSAGE_CHILDREN)
-        peak_kib, cpu = ru.ru_maxrss, ru.ru_utime + ru.ru_stime
-        if p.returncode != 0:
-            print(p.stderr, file=sys.stderr)
-            raise SystemExit(f"compare failed with exit status {p.returncode}")
+        os.sync()  # the generated traces are on disk before any compare (their writeback is not timed)
+        walls: list[float] = []
+        cpus: list[float] = []
+        tree_peak = uss_peak = peak_kib = 0
+        cpu_before = 0.0
+        for _ in range(max(1, args.repeat)):
+            t = time.perf_counter()
+            errf = open(work / "stderr.txt", "w+")  # noqa: SIM115
+            proc = subprocess.Popen([str(opguard), "compare", str(work / "a"), str(work / "b"), "-o", str(out)],
+                                    stdout=subprocess.DEVNULL, stderr=errf)
+            tp, up = _watch_tree(proc)
+            walls.append(time.perf_counter() - t)
+            errf.seek(0)
+            p = subprocess.CompletedProcess(proc.args, proc.returncode, "", errf.read())
+            ru = resource.getrusage(resource.RUSAGE_CHILDREN)
+            cpus.append(ru.ru_utime + ru.ru_stime - cpu_before)
+            cpu_before = ru.ru_utime + ru.ru_stime
+            tree_peak, uss_peak, peak_kib = max(tree_peak, tp), max(uss_peak, up), max(peak_kib, ru.ru_maxrss)
+            if p.returncode != 0:
+                print(p.stderr, file=sys.stderr)
+                raise SystemExit(f"compare failed with exit status {p.returncode}")
+        wall, cpu = statistics.median(walls), statistics.median(cpus)
         trace_bytes = size_a + size_b
         result = {
             "ops_per_side": per_rank * args.ranks, "ranks": args.ranks,
             "trace_bytes": trace_bytes, "generate_s": round(gen, 1),
             "baseline_parse_s": round(base_s, 2), "baseline_parse_cpu_s": round(base_cpu, 2),
             "compare_s": round(wall, 2), "compare_cpu_s": round(cpu, 2),
+            "compare_s_runs": [round(x, 2) for x in walls], "compare_cpu_s_runs": [round(x, 2) for x in cpus],
             "ratio_to_baseline": round(wall / base_s, 2), "cpu_ratio_to_baseline": round(cpu / base_cpu, 2),
             "baseline_orjson_parse_s": round(fast_s, 2), "baseline_orjson_parse_cpu_s": round(fast_cpu, 2),
             "cpu_ratio_to_orjson_baseline": round(cpu / fast_cpu, 2),

@@ -16,6 +16,7 @@ import secrets
 from array import array
 from collections import Counter
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from hashlib import blake2b
 from pathlib import Path
@@ -729,14 +730,18 @@ def compare(a: str, b: str, out: Path, opts: Options | None = None) -> Summary:
             raise ConfigError(
                 f"no corresponding trace files: A has {_describe(run_a)}; B has {_describe(run_b)}",
                 "compare runs of the same program: streams correspond by rank and stream name")
+        # the two runs' SHA-256 at once: hashing and reading release the GIL (the threads end here,
+        # before any forked pass: forkpool.available() wants a single thread)
+        with ThreadPoolExecutor(max_workers=2, thread_name_prefix="opguard-digest") as pool:
+            digest_a, digest_b = pool.map(Run.digest, (run_a, run_b))
         attributes: dict[str, str | int] = {
             "opguard.export": EXPORT_KIND,
             "opguard.input_a.path": run_a.restored_from or str(run_a.root),
             "opguard.input_a.kind": run_a.kind,
-            "opguard.input_a.sha256": run_a.digest(),
+            "opguard.input_a.sha256": digest_a,
             "opguard.input_b.path": run_b.restored_from or str(run_b.root),
             "opguard.input_b.kind": run_b.kind,
-            "opguard.input_b.sha256": run_b.digest(),
+            "opguard.input_b.sha256": digest_b,
         }
         writer = ExportWriter(out, attributes)
         summary = Summary(export_path=str(out), inputs={"A": a, "B": b}, filters=opts.select.as_json())

@@ -127,9 +127,14 @@ def _lis(pairs: list[tuple[int, int]]) -> list[tuple[int, int]]:
 
 
 def _unique(anchors: Sequence[int]) -> dict[int, int]:
-    """Anchor key -> position, for the keys that occur exactly once (in order of position)."""
-    counts = Counter(anchors)
+    """Anchor key -> position, for the keys that occur exactly once, in order of position (``last``
+    keeps the order of first occurrence, which for a key that occurs once is its position)."""
     last = dict(zip(anchors, range(len(anchors)), strict=True))     # a unique key's only position
+    none = anchors.count(NO_ANCHOR)
+    if len(last) == len(anchors) - none + (1 if none else 0):  # every key but NO_ANCHOR occurs once (the usual case)
+        last.pop(NO_ANCHOR, None)
+        return last
+    counts = Counter(anchors)
     return {key: i for key, i in last.items() if counts[key] == 1 and key != NO_ANCHOR}
 
 
@@ -185,7 +190,7 @@ def pair_streams(keys_a: Sequence[int], keys_b: Sequence[int],
         return result
 
     ua, ub = _unique(anchors_a), _unique(anchors_b)
-    matches = sorted((i, ub[key]) for key, i in ua.items() if key in ub)
+    matches = [(i, ub[key]) for key, i in ua.items() if key in ub]  # in order of A's position (_unique)
     bs = [j for _, j in matches]
     # when B's positions already increase (the usual case) the longest monotone set is all of them
     kept = matches if all(map(operator.lt, bs, itertools.islice(bs, 1, None))) else _lis(matches)

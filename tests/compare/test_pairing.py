@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from opguard.compare.pairing import (
     ANCHOR_ORDER_CONFLICT,
     BETWEEN_ANCHORS,
@@ -10,6 +12,7 @@ from opguard.compare.pairing import (
     NO_ANCHOR,
     NO_COUNTERPART_IN_SEGMENT,
     SEGMENT_DIFFERS,
+    _unique,
     pair_streams,
 )
 
@@ -99,3 +102,13 @@ def test_a_function_that_differs_at_the_same_call_site_pairs_when_its_inputs_are
     assert p.a_to_b[1] == -1 and p.reason_a[1] == SEGMENT_DIFFERS
     # without sites/inputs (the caller gives none): the rule does not apply
     assert pair_streams(keys_a, keys_b, anchors_a, anchors_b).a_to_b[1] == -1
+
+
+@pytest.mark.parametrize(("anchors", "expected"), [
+    ([5, NO_ANCHOR, 7, 5, NO_ANCHOR, 9], {7: 2, 9: 5}),      # a repeated key is no anchor
+    ([3, NO_ANCHOR, 4, NO_ANCHOR], {3: 0, 4: 2}),            # every key distinct: the fast path
+    ([NO_ANCHOR, NO_ANCHOR], {}), ([], {}), ([8, 8], {}), ([2, 1], {2: 0, 1: 1})])
+def test_unique_anchors_are_the_keys_that_occur_once_in_order_of_position(anchors: list[int],
+                                                                          expected: dict[int, int]) -> None:
+    got = _unique(anchors)
+    assert got == expected and list(got.values()) == sorted(got.values())
