@@ -45,8 +45,10 @@ def test_srun_per_rank_and_stagger(cluster: Cluster, workdir: Path) -> None:
     order = sorted(phases, key=phases.__getitem__)
     for a, b in zip(order, order[1:] + order[:1], strict=True):
         gaps.append((phases[b] - phases[a]) % interval)
-    # a perfect stagger gives gaps of one slot (2 s); lock-step would give ~0
-    assert min(gaps) > 0.4 * slot, (phases, gaps)
+    # a perfect stagger gives gaps of one slot (2 s); lock-step would give ~0. The syncs run at nice 19,
+    # so on a busy machine a node's batches are built up to ~1.4 s after its slot (smallest gaps seen:
+    # 0.65 s and 0.70 s at load 1-7, the other gaps 1.0-4.3 s): the bound is a quarter of a slot
+    assert min(gaps) > 0.25 * slot, (phases, gaps)
     # and no two nodes' periodic batches were created at the same moment
     nearest = [min(abs(t - u) for m, us in by_node.items() if m != n for u in us)
                for n, ts in by_node.items() for t in ts]
