@@ -145,6 +145,7 @@ class Summary:
                 lines.append(f"  first divergence: {fd.describe()}")
                 if fd.unresolved_before:
                     lines.append(f"    {CAVEAT} ({fd.unresolved_before} unresolved before it)")
+                    lines.append(f"    the first unresolved operation: {s.first_unresolved}")
             elif s.first_mismatch is not None:
                 fm = s.first_mismatch
                 lines.append("  no introduced divergence among the pairs: every mismatch inherited different inputs "
@@ -153,6 +154,8 @@ class Summary:
                     lines.append(f"    the last unresolved operation before it: {fm.nearest_unresolved}")
                 if fm.unresolved_before:
                     lines.append(f"    {CAVEAT} ({fm.unresolved_before} unresolved before it)")
+                    if s.first_unresolved != fm.nearest_unresolved:  # where the runs may first differ
+                        lines.append(f"    the first unresolved operation: {s.first_unresolved}")
             elif s.pairs and s.status["unaligned"]:
                 # never "no divergence" while operations went unpaired: the runs may differ exactly there
                 lines.append(f"  no divergence among the {s.pairs} pairs, but {s.status['unaligned']} operations "

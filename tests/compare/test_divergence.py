@@ -220,3 +220,29 @@ def test_unpaired_operations_are_never_reported_as_no_divergence(tmp_path: Path)
     assert "operations could not be paired, so the runs may differ there; the first: run " in err, err
     first = err.split("the first: ", 1)[1].splitlines()[0]
     assert "torch.nn.functional.gelu" in first or "torch.nn.functional.silu" in first, first
+
+
+def test_an_inherited_first_mismatch_after_unpaired_operations_names_the_first_unpaired_one(tmp_path: Path) -> None:
+    """B calls another function on the gelu's line with another input (nothing establishes that the
+    two calls correspond), and the loss that consumes its output pairs with different inputs. The
+    first mismatch is then inherited; the summary also names the first operation that could not be
+    paired — where the runs may first differ (a hand test: F.binary_cross_entropy -> F.mse_loss on
+    one line of a VAE pointed only at an optimizer op before)."""
+    a_recs = _gpt_like("a", empty_digest=D("same"))
+    b_recs = _gpt_like("b", empty_digest=D("same"))
+    for r in a_recs + b_recs:  # the copy_ after it is an input anchor on both sides
+        if r["fn"] == "torch.Tensor.copy_":
+            r["inputs"][0]["digest"] = D("same garbage", r["step"])
+    for r in b_recs:
+        if r["fn"] == "torch.nn.functional.gelu":
+            r["fn"] = "torch.nn.functional.silu"
+            r["outputs"][0]["digest"] = D("silu", r["step"])
+            r["inputs"][0]["digest"] = D("another input", r["step"])
+        if r["fn"] == "torch.sum":
+            r["inputs"][0]["digest"] = D("silu", r["step"])
+            r["outputs"][0]["digest"] = D("sum of silu", r["step"])
+    p = run_compare(_write(tmp_path, "a", a_recs), _write(tmp_path, "b", b_recs), tmp_path / "v.pftrace")
+    err = p.stderr
+    assert "no introduced divergence among the pairs" in err and "the first: torch.sum" in err, err
+    first = err.split("the first unresolved operation: ", 1)[1].splitlines()[0]
+    assert first.startswith("run A torch.nn.functional.gelu at ") and "segment-differs" in first, first
