@@ -188,18 +188,20 @@ static size_t itemsize(int code) {
 #define BODY(LOAD, SIZE, DIG, STS)                                                              \
     do {                                                                                        \
         size_t chunks = nbytes / 64;                                                            \
+        acc_t l = *a; /* in registers: stores through a could alias the bytes read (uint8_t) */  \
         for (size_t b0 = 0; b0 < chunks; b0 += TABLE_LEN / 8) {                                 \
             size_t b1 = b0 + TABLE_LEN / 8 < chunks ? b0 + TABLE_LEN / 8 : chunks;              \
             uint64_t c = block_constant(b0 / (TABLE_LEN / 8));                                  \
             for (size_t k = b0; k < b1; k++) {                                                  \
                 const uint8_t *q = p + k * 64;                                                  \
-                if (DIG) digest8(a, q, table + (k - b0) * 8, c);                                \
+                if (DIG) digest8(&l, q, table + (k - b0) * 8, c);                               \
                 if (STS) {                                                                      \
                     for (size_t g = 0; g < 64 / (8 * (SIZE)); g++)                              \
-                        stats8(a, LOAD(q + g * 8 * (SIZE)));                                    \
+                        stats8(&l, LOAD(q + g * 8 * (SIZE)));                                   \
                 }                                                                               \
             }                                                                                   \
         }                                                                                       \
+        *a = l;                                                                                 \
     } while (0)
 
 #define KERNEL(NAME, LOAD, SIZE)                                                                \

@@ -16,11 +16,12 @@ from typing import Any
 
 import torch
 from torch.nn.modules import module as nn_module
-from torch.optim.optimizer import register_optimizer_step_post_hook
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from opguard.capture.collectives import Collectives
 from opguard.capture.dispatch import AtenMode, tag_outputs
 from opguard.capture.mode import CaptureMode
+from opguard.capture.optim import OptimizerSteps
 from opguard.capture.options import CaptureOptions
 from opguard.capture.session import Session
 from opguard.errors import ConfigError
@@ -50,6 +51,7 @@ class ModulePaths:
         self.paths: weakref.WeakKeyDictionary[torch.nn.Module, str] = weakref.WeakKeyDictionary()
         self.running: list[torch.nn.Module] = []
         self.handles: list[Any] = []
+        self.optimizer_steps: OptimizerSteps | None = None  # settled at each forward (optim.py)
 
     def path(self, m: torch.nn.Module) -> str:
         p = self.paths.get(m)
@@ -69,6 +71,8 @@ class ModulePaths:
     def _pre(self, m: torch.nn.Module, args: Any) -> None:
         if _compiling():  # Dynamo traces module hooks: capture's are invisible to it
             return
+        if self.session.quiet is not None and self.optimizer_steps is not None:
+            self.optimizer_steps.settle()
         try:
             p = self.path(m)
             if not m.training and type(m) in FAST_PATH_MODULES:
@@ -129,8 +133,11 @@ class Capture:
         self.aten = AtenMode(self.session) if options.level == "dispatch" else None
         self.modules = ModulePaths(self.session)
         self.collectives = Collectives(self.session)
+        self.optimizer_steps = (OptimizerSteps(self.session, self.modules.paths, self.mode)
+                                if options.optimizer == "step" else None)
+        self.modules.optimizer_steps = self.optimizer_steps
         self._entered: list[Any] = []
-        self._optim_hook: Any = None
+        self._optim_hooks: list[Any] = []
 
     @property
     def path(self) -> Any:
@@ -143,8 +150,11 @@ class Capture:
                               "nest no capture() blocks (opguard-run --capture already captures the whole program)")
         self.modules.install()
         self.collectives.install()
+        if self.optimizer_steps is not None:  # each step one record (optim.py): its hooks first
+            self._optim_hooks.append(register_optimizer_step_pre_hook(self.optimizer_steps.pre))
+            self._optim_hooks.append(register_optimizer_step_post_hook(self.optimizer_steps.post))
         if self.options.step_auto:
-            self._optim_hook = register_optimizer_step_post_hook(self._optimizer_stepped)
+            self._optim_hooks.append(register_optimizer_step_post_hook(self._optimizer_stepped))
         if self.aten is not None:
             self.aten.__enter__()  # type: ignore[no-untyped-call]
             self._entered.append(self.aten)
@@ -172,14 +182,15 @@ class Capture:
             return
         _active = None
         try:
+            if self.optimizer_steps is not None:
+                self.optimizer_steps.settle()  # a step that raised: the mode back on the stack before it exits
             while self._entered:
                 self._entered.pop().__exit__(None, None, None)
         finally:
             self.modules.uninstall()
             self.collectives.uninstall()
-            if self._optim_hook is not None:
-                self._optim_hook.remove()
-                self._optim_hook = None
+            while self._optim_hooks:
+                self._optim_hooks.pop().remove()
             try:
                 self.session.close()
             except Exception as err:  # the end of capture never breaks the program's exit

@@ -40,6 +40,7 @@ COLLECTIVES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "gather": (("gather_list",), ("gather_list",)),
 }
 ASYNC_ALWAYS = ("isend", "irecv")
+_no_modes = torch._C.DisableTorchFunction  # capture's own tensor reads skip the function mode
 
 
 def _wrap(session: Session, name: str, orig: Callable[..., Any]) -> Callable[..., Any]:
@@ -61,7 +62,8 @@ def _wrap(session: Session, name: str, orig: Callable[..., Any]) -> Callable[...
             site = s.sites.lookup(sys._getframe(1))
             call = s.begin("collective", fn, site)
             rec = call.rec
-            s.inputs(call, [st for p, v in arguments.items() if p not in only_written for st in tensors_in(v, p)])
+            with _no_modes():  # capture's own tensor reads are not the program's calls
+                s.inputs(call, [st for p, v in arguments.items() if p not in only_written for st in tensors_in(v, p)])
             group = arguments.get("group")
             try:
                 rec["group_size"] = dist.get_world_size(group) if dist.is_initialized() else None
@@ -90,7 +92,8 @@ def _wrap(session: Session, name: str, orig: Callable[..., Any]) -> Callable[...
             if is_async:
                 rec["async"] = True
             elif not s.cap_reached:
-                s.outputs(call, [st for p in written for st in tensors_in(arguments.get(p), p)], fresh=True)
+                with _no_modes():
+                    s.outputs(call, [st for p in written for st in tensors_in(arguments.get(p), p)], fresh=True)
         except Exception as err:
             s.failed("recording", err, call)
         s.maybe_flush_contained()

@@ -55,7 +55,7 @@ class AtenMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
         if s.busy:
             return func(*args, **kwargs)
         via = standin(sys._getframe(1))  # calls from a frame that reads as the caller's (frames.py)
-        if not s.active or func.namespace != "aten" or func._opname in _SKIP:
+        if s.quiet is not None or not s.active or func.namespace != "aten" or func._opname in _SKIP:
             return via(func, args, kwargs)
         name = f"aten::{func._opname}.{func._overloadname}"
         node: Any = torch._C._current_autograd_node()

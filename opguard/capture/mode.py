@@ -141,6 +141,11 @@ class CaptureMode(TorchFunctionMode):
             return func(*args, **kwargs)
         caller = _getframe(1)
         via = standin(caller)  # calls from a frame that reads as the caller's (frames.py)
+        quiet = s.quiet
+        if quiet is not None:  # inside an Optimizer.step() recorded as one record (optim.py): run it as it is
+            if isinstance(func, _OPS):
+                quiet.profiler_op(func)
+            return via(func, args, kwargs)
         if isinstance(func, _OPS):  # torch.ops (the dispatch level's)
             return via(func, args, kwargs)
         inflight = self.inflight

@@ -17,6 +17,7 @@ from opguard.staging.config import FALSE_WORDS, TRUE_WORDS
 LEVELS = ("function", "dispatch")
 DIGEST_MODES = ("full", "sample", "xor", "none")
 HOST_KERNELS = ("auto", "native", "torch")
+OPTIMIZER_MODES = ("step", "ops")
 
 
 @dataclass(frozen=True)
@@ -96,6 +97,7 @@ class CaptureOptions:
     host_kernel: str = "auto"
     record_noise: bool = False
     step_auto: bool = True
+    optimizer: str = "step"
 
     def __post_init__(self) -> None:
         if self.level not in LEVELS:
@@ -109,6 +111,10 @@ class CaptureOptions:
             raise ConfigError(f"host kernel {self.host_kernel!r} is not one of {', '.join(HOST_KERNELS)}",
                               "set OPGUARD_CAPTURE_HOST_KERNEL (or host_kernel=) to auto (the native kernel when "
                               "built), native (required) or torch (PyTorch ops; docs/capture.md §5.2)")
+        if self.optimizer not in OPTIMIZER_MODES:
+            raise ConfigError(f"optimizer recording {self.optimizer!r} is not one of {', '.join(OPTIMIZER_MODES)}",
+                              "set OPGUARD_CAPTURE_OPTIMIZER (or optimizer=) to step (each Optimizer.step() one "
+                              "record) or ops (every op inside it; docs/capture.md §3.8)")
         if not (self.max_mb > 0):
             raise ConfigError(f"capture size cap {self.max_mb!r} MiB must be > 0",
                               "set OPGUARD_CAPTURE_MAX_MB (or max_mb=) to a positive number of MiB")

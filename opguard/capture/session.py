@@ -168,6 +168,7 @@ class Session:
         self.cap_reached = False
         self.closed = False
         self.busy = 0  # > 0 while capture itself runs tensor work (the dispatch level ignores it)
+        self.quiet: Any = None  # the Optimizer.step() recorded as one record while it runs (optim.OpenStep)
         self.on_cap: list[Any] = []  # callables run when the cap stops interception
         self._failures: set[tuple[str, torch.dtype]] = set()  # summary failures already said on stderr
         self._stage_failures: dict[tuple[str, str], int] = {}  # (stage, exception type) -> count
@@ -750,6 +751,8 @@ class Session:
         if self.closed:
             return
         try:
+            if self.quiet is not None:
+                self.quiet.abandon()
             self.parents.clear()
             self.flush()
             self._compile_notes()

@@ -65,8 +65,15 @@ def test_zoo_of_model_families_bitwise_equal_under_opguard_run_capture(tmp_path:
     for fn in ("torch.nn.functional.multi_head_attention_forward", "Tensor.unflatten",
                "torch.nn.functional.scaled_dot_product_attention", "torch.nn.functional.batch_norm",
                "torch._pack_padded_sequence", "torch.lstm", "torch.gru", "torch.nn.functional.embedding_bag",
-               "torch._foreach_norm", "torch._foreach_add_"):
+               "torch._foreach_norm", "torch.optim.AdamW.step"):
         assert fn in fns, fn
+    # each AdamW.step() one record (docs/capture.md §3.8): the scheduled learning rate and foreach=True
+    # as arguments, nothing of the foreach kernels inside it recorded
+    adamw = [r for r in op if r["fn"] == "torch.optim.AdamW.step" and r["func"] == "adamw_clip_sched"]
+    lrs = [next(a["value"] for a in r["args"] if a["slot"] == "group0.lr") for r in adamw]
+    assert len(adamw) >= 3 and len(set(lrs)) == len(lrs)
+    assert all({"slot": "group0.foreach", "type": "bool", "value": True} in r["args"] for r in adamw)
+    assert not any(r["fn"] in ("torch._foreach_add_", "torch._foreach_lerp_") for r in op)
     assert not any(r.get("capture_error") for r in op)
 
 

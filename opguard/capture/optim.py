@@ -1,0 +1,251 @@
+"""An optimizer step as one record (``optimizer=step``, the default; ``docs/capture.md`` §3.8).
+
+PyTorch's optimizers update each parameter with a handful of small ops (AdamW on CPU: about eight
+per parameter). Recorded one by one they are most of a small model's records and most of capture's
+cost, while what explains a divergence there is which parameter or state came out different, and
+with which settings. So each ``Optimizer.step()`` is one record with ``api: "optimizer"``:
+
+* ``fn``: ``torch.optim.<Class>.step`` for PyTorch's optimizers, ``<module>.<qualname>.step`` for
+  others; the call site is the program's ``step()`` line;
+* ``args``: every param-group setting but ``params`` (``group<g>.<key>``: ``lr``, ``betas``, ...);
+  a tensor-valued setting is an input entry of that slot;
+* ``inputs`` (taken at the global step pre-hook, before the optimizer's own pre-hooks): for every
+  parameter with a gradient, in param-group order, the parameter (slot = its module path, e.g.
+  ``GPT.h.0.attn.c_attn.weight``, or ``group<g>.params.<i>`` when no module that ran holds it), its
+  gradient (``<slot>.grad``) and its optimizer state (``<slot>.<key>``: ``exp_avg``, ``step``, ...;
+  non-tensor state values are ``args``);
+* ``outputs`` (taken at the global post-hook): the same parameters and their state after the step,
+  with statistics.
+
+The calls inside the step run without being recorded (``Session.quiet``; collectives inside are
+still recorded, as its children). When capture's function mode is the innermost torch function
+mode, it is taken off the mode stack for the step (the step's calls then cost nothing extra) and put
+back at the post-hook; otherwise the modes let the calls through. A step that raises is recorded
+with ``error`` and the outputs as the step left them. With the mode on the stack, the close of the
+``record_function`` range PyTorch opens around every step, seen while the step is still open, says
+so at once; with the mode off the stack, the next module forward, optimizer step or the end of the
+capture finds the step's frame gone from the stack, puts the mode back and closes the record (the
+calls in between are not recorded; the record's ``error`` says so). A step called with a closure
+(``LBFGS``; the closure runs the model) is recorded op by op, and ``optimizer=ops`` records every
+step op by op.
+"""
+
+from __future__ import annotations
+
+import sys
+import weakref
+from collections.abc import Iterator
+from types import FrameType
+from typing import Any
+
+import torch
+
+from opguard.capture import records
+from opguard.capture.session import Call, Session
+
+_compiling = torch.compiler.is_dynamo_compiling
+_no_modes = torch._C.DisableTorchFunction  # capture's own tensor reads skip the modes (and their cost)
+_stack_len = torch._C._len_torch_function_stack
+_stack_at = torch._C._get_function_stack_at
+_pop_mode = torch._C._pop_torch_function_stack
+_push_mode = torch._C._push_on_torch_function_stack
+_profiler = torch.ops.profiler
+# the ops of torch.autograd.profiler.record_function (PyTorch wraps every Optimizer.step() in one)
+RANGE_ENTER = frozenset({_profiler._record_function_enter_new, _profiler._record_function_enter})
+RANGE_EXIT = frozenset({_profiler._record_function_exit, _profiler._record_function_exit._RecordFunction})
+
+
+def step_name(opt: Any) -> str:
+    cls = type(opt)
+    if getattr(torch.optim, cls.__name__, None) is cls:
+        return f"torch.optim.{cls.__name__}.step"
+    return f"{cls.__module__}.{cls.__qualname__}.step"
+
+
+class OpenStep:
+    """One ``Optimizer.step()`` being recorded (``Session.quiet`` while it runs)."""
+
+    def __init__(self, steps: OptimizerSteps, opt: Any) -> None:
+        self.steps = steps
+        self.opt = opt
+        self.call: Call | None = None
+        self.params: list[tuple[str, torch.Tensor]] = []
+        self.ranges = 0  # record_function ranges opened inside the step and not closed yet
+        self.frame: FrameType | None = None  # PyTorch's step wrapper, running the step
+        self.popped: Any = None  # capture's function mode, while off the stack for the step
+
+    def profiler_op(self, func: Any) -> None:
+        """A profiler op seen while the step runs: the close of the step's own range before the
+        post-hook ran means the step raised."""
+        if func in RANGE_ENTER:
+            self.ranges += 1
+        elif func in RANGE_EXIT:
+            if self.ranges:
+                self.ranges -= 1
+            else:
+                exc = sys.exc_info()[1]
+                what = f"{type(exc).__name__}: {exc}" if exc is not None else "the step did not return"
+                self.steps.end(self, error=what)
+
+    def abandon(self) -> None:
+        """The capture ends while the step is open (it never returned)."""
+        self.steps.end(self, error="the step did not return before the capture ended")
+
+
+class OptimizerSteps:
+    """The global step pre-/post-hooks of ``optimizer=step``."""
+
+    def __init__(self, session: Session, module_paths: weakref.WeakKeyDictionary[torch.nn.Module, str],
+                 mode: Any = None) -> None:
+        self.session = session
+        self.module_paths = module_paths
+        self.mode = mode  # capture's function mode: off the stack during a step when it is the innermost
+        # per optimizer: id(parameter) -> module path, and how many modules it was built from
+        self._names: weakref.WeakKeyDictionary[Any, tuple[int, dict[int, str]]] = weakref.WeakKeyDictionary()
+
+    # ---- hooks --------------------------------------------------------------------------------
+    def pre(self, opt: Any, args: Any, kwargs: Any) -> None:
+        if _compiling():
+            return
+        s = self.session
+        if s.quiet is not None:
+            self.settle()
+        if s.quiet is not None or s.busy:  # an optimizer stepped by another one's step: inside its record
+            return
+        if (len(args) > 1 and args[1] is not None) or (kwargs or {}).get("closure") is not None:
+            return  # the closure runs the model: recorded op by op
+        step = OpenStep(self, opt)
+        s.quiet = step
+        caller = sys._getframe(1)
+        step.frame = caller
+        if self.mode is not None and _stack_len() and _stack_at(_stack_len() - 1) is self.mode:
+            step.popped = _pop_mode()
+        if not s.active:
+            return
+        s.busy += 1
+        try:
+            with _no_modes():
+                self._begin(step, caller)
+        except Exception as err:
+            s.failed("recording", err, step.call)
+        finally:
+            s.busy -= 1
+
+    def _begin(self, step: OpenStep, caller: FrameType) -> None:
+        s, opt = self.session, step.opt
+        name = step_name(opt)
+        modules, contexts = s.modules, s.contexts
+        module = modules[-1] if modules else None
+        context = "/".join(contexts) if contexts else None
+        if not (s.select_all or s.selected(name, module, context)):
+            return
+        step.call = call = s.begin("optimizer", name, s.sites.lookup(caller), where=(module, context))
+        ins: list[tuple[str, torch.Tensor]] = []
+        xs: list[dict[str, Any]] = []
+        for slot, value in self._before(opt, step):
+            if isinstance(value, torch.Tensor):
+                ins.append((slot, value))
+            else:
+                xs.append(records.arg_entry(slot, value))
+        if xs:
+            call.rec["args"] = xs
+        s.inputs(call, ins)
+        s.parents.append(call.rec["seq"])
+
+    def post(self, opt: Any, _args: Any, _kwargs: Any) -> None:
+        if _compiling():
+            return
+        step = self.session.quiet
+        if isinstance(step, OpenStep) and step.opt is opt:
+            self.end(step)
+
+    def settle(self) -> None:
+        """Close the open step if it is no longer running (it raised while the mode was off the stack)."""
+        step = self.session.quiet
+        if not isinstance(step, OpenStep) or step.frame is None:
+            return
+        f: FrameType | None = sys._getframe(1)
+        while f is not None:
+            if f is step.frame:
+                return
+            f = f.f_back
+        self.end(step, error="the step raised (it did not return); the calls from then to the next module "
+                             "forward, optimizer step or the end of the capture were not recorded")
+
+    def end(self, step: OpenStep, error: str | None = None) -> None:
+        """Close ``step``: its outputs (the parameters and state now), ``error`` when it raised."""
+        s = self.session
+        if s.quiet is step:
+            s.quiet = None
+        step.frame = None
+        if step.popped is not None:
+            _push_mode(step.popped)
+            step.popped = None
+        call = step.call
+        if call is None:
+            return
+        step.call = None
+        s.busy += 1
+        try:
+            with _no_modes():
+                if error is not None:
+                    call.rec["error"] = error[:500]
+                if s.parents and s.parents[-1] == call.rec["seq"]:
+                    s.parents.pop()
+                if not s.cap_reached:
+                    s.outputs(call, self._after(step))
+        except Exception as err:
+            s.failed("recording", err, call)
+        finally:
+            s.busy -= 1
+        s.maybe_flush_contained()
+
+    # ---- what a step reads and writes ----------------------------------------------------------
+    def _before(self, opt: Any, step: OpenStep) -> Iterator[tuple[str, Any]]:
+        """(slot, value) of every setting, parameter, gradient and state value the step reads."""
+        names = self._param_names(opt)
+        state = opt.state
+        for g, group in enumerate(opt.param_groups):
+            for k, v in group.items():
+                if k != "params":
+                    yield f"group{g}.{k}", v
+            for i, p in enumerate(group["params"]):
+                grad = p.grad
+                if grad is None:  # not updated by this step
+                    continue
+                slot = names.get(id(p)) or f"group{g}.params.{i}"
+                step.params.append((slot, p))
+                yield slot, p
+                yield f"{slot}.grad", grad
+                for k, v in _items(state.get(p)):
+                    yield f"{slot}.{k}", v
+
+    @staticmethod
+    def _after(step: OpenStep) -> list[tuple[str, torch.Tensor]]:
+        """(slot, tensor) of every parameter the step updated and its state tensors, now."""
+        state = step.opt.state
+        outs: list[tuple[str, torch.Tensor]] = []
+        for slot, p in step.params:
+            outs.append((slot, p))
+            outs.extend((f"{slot}.{k}", v) for k, v in _items(state.get(p)) if isinstance(v, torch.Tensor))
+        return outs
+
+    def _param_names(self, opt: Any) -> dict[int, str]:
+        """id(parameter) -> ``<module path>.<name>`` over the modules that ran a forward (rebuilt when
+        more modules have run since; a tied parameter keeps the first path)."""
+        paths = self.module_paths
+        known = self._names.get(opt)
+        if known is not None and known[0] == len(paths):
+            return known[1]
+        names: dict[int, str] = {}
+        for m, path in list(paths.items()):
+            for n, p in m.named_parameters(recurse=False):
+                names.setdefault(id(p), f"{path}.{n}")
+        self._names[opt] = (len(paths), names)
+        return names
+
+
+def _items(state: Any) -> list[tuple[str, Any]]:
+    if not isinstance(state, dict):
+        return []
+    return [(str(k), v) for k, v in state.items()]

@@ -1,0 +1,181 @@
+"""An optimizer step as one record (docs/capture.md §3.8): what it holds, that the program runs as
+without capture, the step that raises, closures, another mode above capture's, ``optimizer=ops``,
+and compare naming the changed learning rate."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="capture needs torch (pip install torch, CPU build)")
+
+import opguard.capture as oc  # noqa: E402
+from tests.capture.helpers import ops, read_trace  # noqa: E402
+from tests.compare.helpers import run_compare  # noqa: E402
+
+OPT_FNS = {"Tensor.addcdiv_", "Tensor.lerp_", "Tensor.addcmul_", "Tensor.mul_", "Tensor.sqrt", "Tensor.add_"}
+
+
+def _model() -> Any:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+
+
+def _train(model: Any, opt: Any, steps: int = 3) -> list[str]:
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(6, 4, generator=g), torch.randn(6, 1, generator=g)
+    out = []
+    for _ in range(steps):
+        opt.zero_grad(set_to_none=True)
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        out.append(loss.detach().view(torch.int32).item())
+    return [f"{v:08x}" for v in out] + [p.detach().double().sum().item().hex() for p in model.parameters()]
+
+
+def _captured(tmp: Path, lr: float = 1e-3, **options: Any) -> tuple[list[str], list[dict[str, Any]]]:
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
+    depth = torch._C._len_torch_function_stack()
+    with oc.capture(env={"OPGUARD_TRACE_OUTPUT_BASE": str(tmp)}, **options) as cap:
+        result = _train(model, opt)
+        assert torch._C._len_torch_function_stack() == depth + 1  # capture's mode is back after every step
+    assert torch._C._len_torch_function_stack() == depth
+    meta = json.loads((cap.path / "meta.json").read_text())
+    assert meta["options"]["optimizer"] == options.get("optimizer", "step")
+    return result, read_trace(cap.path)
+
+
+def test_each_step_is_one_record_with_settings_parameters_gradients_and_state(tmp_path: Path) -> None:
+    model = _model()
+    plain = _train(model, torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01))
+    result, recs = _captured(tmp_path)
+    assert result == plain   # bitwise: losses and parameters
+    op = ops(recs)
+    steps = [r for r in op if r["api"] == "optimizer"]
+    assert [(r["fn"], r["step"], r["depth"]) for r in steps] == [("torch.optim.AdamW.step", s, 0) for s in range(3)]
+    assert all(r["file"] == __file__ and r["func"] == "_train" for r in steps)   # the program's step() line
+    assert not {r["fn"] for r in op} & OPT_FNS                                     # nothing inside the step
+    assert not any(r["parent"] in {s["seq"] for s in steps} for r in op)
+    args = {a["slot"]: a for a in steps[1]["args"]}
+    assert args["group0.lr"] == {"slot": "group0.lr", "type": "float", "value": 1e-3}
+    assert args["group0.weight_decay"]["value"] == 0.01 and args["group0.betas"]["value"] == [0.9, 0.999]
+    names = ["Sequential.0.weight", "Sequential.0.bias", "Sequential.2.weight", "Sequential.2.bias"]
+    # step 0: no state yet; later steps: the state the step reads
+    assert [e["slot"] for e in steps[0]["inputs"]] == [s for n in names for s in (n, f"{n}.grad")]
+    state = ("step", "exp_avg", "exp_avg_sq")
+    assert [e["slot"] for e in steps[1]["inputs"]] == [
+        s for n in names for s in (n, f"{n}.grad", *(f"{n}.{k}" for k in state))]
+    assert [e["slot"] for e in steps[1]["outputs"]] == [s for n in names for s in (n, *(f"{n}.{k}" for k in state))]
+    assert all(e["digest"] and e["stats"] is not None for e in steps[1]["outputs"])
+    # the evidence chains: step 0's updated weight is the next forward's input, and step 1 reads it
+    lin = [r for r in op if r["fn"] == "torch.nn.functional.linear" and r["module"] == "Sequential.0"]
+    w_after = {e["slot"]: e["digest"] for e in steps[0]["outputs"]}["Sequential.0.weight"]
+    assert lin[1]["inputs"][1]["digest"] == w_after == steps[1]["inputs"][0]["digest"]
+    assert lin[0]["inputs"][1]["digest"] != w_after
+    # the gradient read by the step is the one backward produced (differs from step to step)
+    grads = [{e["slot"]: e["digest"] for e in r["inputs"]}["Sequential.0.weight.grad"] for r in steps]
+    assert len(set(grads)) == 3
+
+
+def test_optimizer_ops_records_every_op_inside_the_step(tmp_path: Path) -> None:
+    result, recs = _captured(tmp_path, optimizer="ops")
+    fns = [r["fn"] for r in ops(recs)]
+    assert "torch.optim.AdamW.step" not in fns and {"Tensor.addcdiv_", "Tensor.lerp_"} <= set(fns)
+    model = _model()
+    assert result == _train(model, torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01))
+
+
+def test_bad_optimizer_option_names_the_variable_and_the_choices() -> None:
+    from opguard.capture.options import CaptureOptions
+    from opguard.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="OPGUARD_CAPTURE_OPTIMIZER") as e:
+        CaptureOptions.from_env({"OPGUARD_CAPTURE_OPTIMIZER": "fused"})
+    assert "'fused'" in str(e.value) and "step" in str(e.value) and "ops" in str(e.value)
+
+
+def _sparse_step(opt: Any, model: Any, x: Any) -> str:
+    model(x).sum().backward()
+    model.weight.grad = model.weight.grad.to_sparse()
+    try:
+        opt.step()
+    except RuntimeError as e:
+        return str(e)
+    return ""
+
+
+def test_a_step_that_raises_is_recorded_with_error_and_capture_goes_on(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x = torch.randn(5, 4)
+    depth = torch._C._len_torch_function_stack()
+    with oc.capture(env={"OPGUARD_TRACE_OUTPUT_BASE": str(tmp_path)}) as cap:
+        msg = _sparse_step(opt, model, x)
+        model.weight.grad = None
+        model(x).sum().backward()   # the next forward finds the step gone and puts the mode back
+        opt.step()
+        torch.ones(2).add(1)
+    assert "sparse" in msg and torch._C._len_torch_function_stack() == depth
+    steps = [r for r in ops(read_trace(cap.path)) if r["api"] == "optimizer"]
+    assert len(steps) == 2 and "the step raised" in steps[0]["error"] and "error" not in steps[1]
+    assert steps[1]["outputs"] and any(r["fn"] == "Tensor.add" for r in ops(read_trace(cap.path)))
+
+
+class _Outer(torch.overrides.TorchFunctionMode):
+    """The program's own mode, entered inside capture: capture's mode is not the innermost."""
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        return func(*args, **(kwargs or {}))
+
+
+def test_under_another_mode_the_step_is_one_record_and_a_raise_is_seen_at_once(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x = torch.randn(5, 4)
+    with oc.capture(env={"OPGUARD_TRACE_OUTPUT_BASE": str(tmp_path)}) as cap, _Outer():
+        model(x).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        msg = _sparse_step(opt, model, x)
+        torch.ones(2).mul(3)       # recorded: the raise closed the step when its profiler range closed
+    assert "sparse" in msg
+    op = ops(read_trace(cap.path))
+    steps = [r for r in op if r["api"] == "optimizer"]
+    assert len(steps) == 2 and "error" not in steps[0] and "Sparse" in steps[1]["error"]
+    assert not {r["fn"] for r in op} & OPT_FNS and any(r["fn"] == "Tensor.mul" for r in op)
+
+
+def test_a_step_with_a_closure_is_recorded_op_by_op(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 1)
+    opt = torch.optim.LBFGS(model.parameters(), max_iter=2)
+    x, y = torch.randn(4, 3), torch.randn(4, 1)
+
+    def closure() -> Any:
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        return loss
+
+    with oc.capture(env={"OPGUARD_TRACE_OUTPUT_BASE": str(tmp_path)}) as cap:
+        opt.step(closure)
+    op = ops(read_trace(cap.path))
+    assert not any(r["api"] == "optimizer" for r in op)
+    assert any(r["fn"] == "torch.nn.functional.mse_loss" for r in op)   # the closure's forward
+
+
+def test_compare_names_the_changed_learning_rate(tmp_path: Path) -> None:
+    _captured(tmp_path / "a", lr=1e-3)
+    _captured(tmp_path / "b", lr=2e-3)
+    p = run_compare(tmp_path / "a", tmp_path / "b", tmp_path / "v.pftrace")
+    assert p.returncode == 0, p.stderr
+    first = p.stderr.split("first divergence: ", 1)[1].splitlines()[0]
+    assert first.startswith("torch.optim.AdamW.step at ") and "step 0" in first, first
+    assert "group0.lr: 0.001 -> 0.002" in first, first
