@@ -193,7 +193,9 @@ class OptimizerSteps:
                 if s.parents and s.parents[-1] == call.rec["seq"]:
                     s.parents.pop()
                 if not s.cap_reached:
-                    s.outputs(call, self._after(step))
+                    # fresh: a step may write through .data (p.data.add_(...)), which leaves
+                    # p._version as it was; the digests are taken from memory, never the cache
+                    s.outputs(call, self._after(step), fresh=True)
         except Exception as err:
             s.failed("recording", err, call)
         finally:

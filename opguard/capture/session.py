@@ -159,6 +159,7 @@ class Session:
         self._batch: list[bytes] | None = None  # encoded records of the flush in progress, not yet written
         self._batch_ops = 0  # op records among them
         self._cache: dict[tuple[Any, ...], _Summary] = {}
+        self._at: dict[int, list[tuple[Any, ...]]] = {}  # data pointer -> the cache keys at that address
         self._dead = self._dead_entry  # one bound method for every weak reference's callback
         self.written = 0
         self._file_sizes: dict[str, int] = {}
@@ -228,6 +229,8 @@ class Session:
             key: tuple[Any, ...] = (t.data_ptr(), n, t.dtype, t.device, version)
         else:
             key = (t.data_ptr(), t.shape, t.stride(), t.dtype, t.device, version)
+        if want_stats and key[0] in self._at:  # an output: written at that address (see _wrote)
+            self._wrote(key[0], key)
         s = None if fresh or n == 0 else self._lookup(key)
         if s is not None and (not want_stats or s.has_stats):
             return s
@@ -345,14 +348,41 @@ class Session:
         ref.key = key
         s.ref = ref
         cache = self._cache
+        if key not in cache:
+            at = self._at.get(key[0])
+            if at is None:
+                self._at[key[0]] = [key]
+            else:
+                at.append(key)
         cache[key] = s
         if len(cache) > CACHE_ENTRIES:
-            del cache[next(iter(cache))]  # the oldest entry (dicts keep insertion order)
+            self._forget(next(iter(cache)))  # the oldest entry (dicts keep insertion order)
+
+    def _forget(self, key: tuple[Any, ...]) -> None:
+        del self._cache[key]
+        at = self._at.get(key[0])
+        if at is not None:
+            try:
+                at.remove(key)
+            except ValueError:
+                pass
+            if not at:
+                del self._at[key[0]]
+
+    def _wrote(self, ptr: int, key: tuple[Any, ...]) -> None:
+        """A recorded output was written at ``ptr`` (content version ``key``): every other cached
+        version at that address is stale. Views share their base's version counter, so a write
+        through one changes every key anyway; this catches writes through an alias with a counter
+        of its own (``p.data.mul_(...)``, which leaves ``p._version`` as it was)."""
+        at = self._at.get(ptr)
+        if at is not None:
+            for k in [k for k in at if k != key]:
+                self._forget(k)
 
     def _dead_entry(self, ref: _Ref) -> None:
         s = self._cache.get(ref.key)
         if s is not None and s.ref is ref:  # not an entry re-made since for another tensor
-            del self._cache[ref.key]
+            self._forget(ref.key)
 
     def _entry_fast(self, call: Call, slot: str, t: torch.Tensor, output: bool, fresh: bool) -> dict[str, Any] | None:
         """:meth:`entry` for the common case in one frame: a plain, contiguous, non-empty CPU tensor
@@ -373,6 +403,8 @@ class Session:
             return None
         ptr = t.data_ptr()
         key = (ptr, n, dtype, _CPU, version)
+        if output and ptr in self._at:
+            self._wrote(ptr, key)
         s = None if fresh else self._cache.get(key)
         if s is not None and (s.ref is None or s.ref() is None):  # self._lookup(key), inline
             s = None

@@ -325,6 +325,25 @@ def test_views_and_reused_memory_get_exact_summaries(out_env: dict[str, str], ke
 
 
 @pytest.mark.parametrize("kernel", ["native", "torch"])
+def test_a_write_through_data_is_never_served_the_stale_digest(out_env: dict[str, str], kernel: str) -> None:
+    """``p.data.mul_(3)`` writes p's memory through an alias with a version counter of its own:
+    ``p._version`` stays as it was, so p's cached digest (same address, count, dtype, version)
+    would be stale; the recorded write drops every other cached version at that address."""
+    p = torch.nn.Parameter(torch.ones(4))
+    x = torch.ones(4)
+    with oc.capture(env=out_env, host_kernel=kernel) as cap:
+        torch.mul(x, p)
+        version = p._version
+        p.data.mul_(3.0)
+        assert p._version == version            # the hazard: same cache key as before the write
+        torch.mul(x, p)
+    muls = [r for r in ops(read_trace(cap.path)) if r["fn"] == "torch.mul"]
+    write = next(r for r in ops(read_trace(cap.path)) if r["fn"] == "Tensor.mul_")
+    assert muls[0]["inputs"][1]["digest"] == oc_digest(torch.ones(4))
+    assert muls[1]["inputs"][1]["digest"] == write["outputs"][0]["digest"] == oc_digest(torch.full((4,), 3.0))
+
+
+@pytest.mark.parametrize("kernel", ["native", "torch"])
 def test_dead_cache_entry_is_not_served_to_a_new_tensor_at_the_same_address(out_env: dict[str, str],
                                                                             kernel: str) -> None:
     """A new tensor at the address, element count, dtype and version of a dead cached one (the

@@ -171,6 +171,34 @@ def test_a_step_with_a_closure_is_recorded_op_by_op(tmp_path: Path) -> None:
     assert any(r["fn"] == "torch.nn.functional.mse_loss" for r in op)   # the closure's forward
 
 
+class _DataSGD(torch.optim.Optimizer):
+    """An optimizer in the old style: it updates parameters through ``.data`` (no version bump)."""
+
+    def __init__(self, params: Any, lr: float) -> None:
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.data.add_(p.grad.data, alpha=-group["lr"])
+
+
+def test_a_step_writing_through_data_records_the_parameters_it_left(tmp_path: Path) -> None:
+    model = _model()
+    opt = _DataSGD(model.parameters(), lr=0.1)
+    with oc.capture(env={"OPGUARD_TRACE_OUTPUT_BASE": str(tmp_path)}) as cap:
+        _train(model, opt, steps=2)
+    op = ops(read_trace(cap.path))
+    steps = [r for r in op if r["api"] == "optimizer"]
+    assert [r["fn"] for r in steps] == [f"{__name__}._DataSGD.step"] * 2
+    before = {e["slot"]: e["digest"] for e in steps[0]["inputs"]}["Sequential.0.weight"]
+    after = {e["slot"]: e["digest"] for e in steps[0]["outputs"]}["Sequential.0.weight"]
+    lin = [r for r in op if r["fn"] == "torch.nn.functional.linear" and r["module"] == "Sequential.0"]
+    assert before != after == lin[1]["inputs"][1]["digest"]   # the update is seen, and the next forward reads it
+
+
 def test_compare_names_the_changed_learning_rate(tmp_path: Path) -> None:
     _captured(tmp_path / "a", lr=1e-3)
     _captured(tmp_path / "b", lr=2e-3)
