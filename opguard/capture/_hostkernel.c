@@ -10,6 +10,13 @@
  *   digest         compute S of mix64-v1 (docs/capture.md §5.1) over the bytes, as an unsigned int
  *   stats          compute the statistics row over the elements
  *
+ * strided(addr, itemsize, shape, stride, code, digest, stats) -> summary()'s result, or None
+ *
+ *   the same values over the logical element sequence (row-major order of shape) of a strided
+ *   tensor whose element (i0, i1, ...) is at addr + (i0*stride0 + i1*stride1 + ...) * itemsize
+ *   (strides in elements, >= 0), gathered piecewise (no copy of the whole tensor); None when the
+ *   statistics' sum is not finite (the caller then summarises a contiguous copy with summary()).
+ *
  * entry(addr, n, code, stats) -> (digest hex, statistics dict | row | None)
  *
  *   the finished entry values of a new contiguous tensor of n elements of element type code (the
@@ -184,29 +191,36 @@ static size_t itemsize(int code) {
 }
 
 /* The fused pass: for every 64-byte chunk, the digest of its 8 words and the statistics of its
- * 64/size elements (in groups of 8). DIG and STS are constants in every instantiation. */
+ * 64/size elements (in groups of 8). c0 is the chunk's index in the whole byte sequence (0 for a
+ * contiguous tensor; the strided path feeds its gathered pieces with their running offset): it
+ * selects the table words and the block constant. DIG and STS are constants in every instantiation. */
 #define BODY(LOAD, SIZE, DIG, STS)                                                              \
     do {                                                                                        \
         size_t chunks = nbytes / 64;                                                            \
         acc_t l = *a; /* in registers: stores through a could alias the bytes read (uint8_t) */  \
-        for (size_t b0 = 0; b0 < chunks; b0 += TABLE_LEN / 8) {                                 \
-            size_t b1 = b0 + TABLE_LEN / 8 < chunks ? b0 + TABLE_LEN / 8 : chunks;              \
-            uint64_t c = block_constant(b0 / (TABLE_LEN / 8));                                  \
-            for (size_t k = b0; k < b1; k++) {                                                  \
-                const uint8_t *q = p + k * 64;                                                  \
-                if (DIG) digest8(&l, q, table + (k - b0) * 8, c);                               \
+        size_t k = 0;                                                                           \
+        while (k < chunks) {                                                                    \
+            size_t g = c0 + k, off = g % (TABLE_LEN / 8);                                       \
+            size_t m = TABLE_LEN / 8 - off < chunks - k ? TABLE_LEN / 8 - off : chunks - k;     \
+            uint64_t c = block_constant(g / (TABLE_LEN / 8));                                   \
+            const uint64_t *w = table + off * 8;                                                \
+            const uint8_t *base = p + k * 64;                                                   \
+            for (size_t j = 0; j < m; j++) {                                                    \
+                const uint8_t *q = base + j * 64;                                               \
+                if (DIG) digest8(&l, q, w + j * 8, c);                                          \
                 if (STS) {                                                                      \
-                    for (size_t g = 0; g < 64 / (8 * (SIZE)); g++)                              \
-                        stats8(&l, LOAD(q + g * 8 * (SIZE)));                                   \
+                    for (size_t e = 0; e < 64 / (8 * (SIZE)); e++)                              \
+                        stats8(&l, LOAD(q + e * 8 * (SIZE)));                                   \
                 }                                                                               \
             }                                                                                   \
+            k += m;                                                                             \
         }                                                                                       \
         *a = l;                                                                                 \
     } while (0)
 
 #define KERNEL(NAME, LOAD, SIZE)                                                                \
-    CLONES static void NAME##_both(const uint8_t *p, size_t nbytes, acc_t *a) { BODY(LOAD, SIZE, 1, 1); } \
-    CLONES static void NAME##_stats(const uint8_t *p, size_t nbytes, acc_t *a) { BODY(LOAD, SIZE, 0, 1); }
+    CLONES static void NAME##_both(const uint8_t *p, size_t nbytes, acc_t *a, size_t c0) { BODY(LOAD, SIZE, 1, 1); } \
+    CLONES static void NAME##_stats(const uint8_t *p, size_t nbytes, acc_t *a, size_t c0) { BODY(LOAD, SIZE, 0, 1); }
 
 KERNEL(f64, load_f64, 8)
 KERNEL(f32, load_f32, 4)
@@ -218,9 +232,9 @@ KERNEL(i16, load_i16, 2)
 KERNEL(i32, load_i32, 4)
 KERNEL(i64, load_i64, 8)
 
-CLONES static void digest_only(const uint8_t *p, size_t nbytes, acc_t *a) { BODY(load_u8, 1, 1, 0); }
+CLONES static void digest_only(const uint8_t *p, size_t nbytes, acc_t *a, size_t c0) { BODY(load_u8, 1, 1, 0); }
 
-typedef void (*kernel_fn)(const uint8_t *, size_t, acc_t *);
+typedef void (*kernel_fn)(const uint8_t *, size_t, acc_t *, size_t);
 
 static kernel_fn pick(int code, int dig, int sts) {
     if (!sts) return digest_only;
@@ -246,45 +260,47 @@ static void count_nonfinite(const uint8_t *p, size_t n, int code, uint64_t *nonf
     *inf = ni;
 }
 
-static void run(const uint8_t *p, size_t nbytes, int code, int dig, int sts, result_t *r) {
-    acc_t a;
-    memset(&a, 0, sizeof a);
-    for (int i = 0; i < 8; i++) { a.mn[i] = INFINITY; a.mx[i] = -INFINITY; }
-    size_t body = nbytes - nbytes % 64;
-    if (body && (dig || sts)) pick(code, dig, sts)(p, body, &a);
-    /* the tail: fewer than 64 bytes, zero-padded to whole words for the digest */
-    size_t rest = nbytes - body;
-    if (rest) {
-        uint8_t buf[64] = {0};
-        memcpy(buf, p + body, rest);
-        if (dig) {
-            uint64_t s = 0;
-            for (size_t j = 0; j < (rest + 7) / 8; j++) {
-                uint64_t u; memcpy(&u, buf + j * 8, 8);
-                s += digest_word(u, body / 8 + j);
-            }
-            a.s[0] += s;
+static void acc_init(acc_t *a) {
+    memset(a, 0, sizeof *a);
+    for (int i = 0; i < 8; i++) { a->mn[i] = INFINITY; a->mx[i] = -INFINITY; }
+}
+
+/* The last rest < 64 bytes of the sequence, which starts at byte offset at (a multiple of 64):
+ * zero-padded to whole words for the digest; its elements in the lanes of a full group. */
+static void acc_tail(const uint8_t *p, size_t rest, size_t at, int code, int dig, int sts, acc_t *a) {
+    if (!rest) return;
+    uint8_t buf[64] = {0};
+    memcpy(buf, p, rest);
+    if (dig) {
+        uint64_t s = 0;
+        for (size_t j = 0; j < (rest + 7) / 8; j++) {
+            uint64_t u; memcpy(&u, buf + j * 8, 8);
+            s += digest_word(u, at / 8 + j);
         }
-        if (sts) {
-            size_t size = itemsize(code);
-            for (size_t j = 0; j < rest / size; j++) {
-                double d = scalar_load(buf + j * size, code);
-                size_t lane = j % 8;  /* the same lane as in a full group */
-                a.sum[lane] += d;
-                a.sq[lane] += d * d;
-                if (d < a.mn[lane]) a.mn[lane] = d;
-                if (d > a.mx[lane]) a.mx[lane] = d;
-            }
+        a->s[0] += s;
+    }
+    if (sts) {
+        size_t size = itemsize(code);
+        for (size_t j = 0; j < rest / size; j++) {
+            double d = scalar_load(buf + j * size, code);
+            size_t lane = j % 8;  /* the same lane as in a full group */
+            a->sum[lane] += d;
+            a->sq[lane] += d * d;
+            if (d < a->mn[lane]) a->mn[lane] = d;
+            if (d > a->mx[lane]) a->mx[lane] = d;
         }
     }
+}
+
+static void acc_finish(const acc_t *a, result_t *r) {
     uint64_t s = 0;
     double sum = 0, sq = 0, mn = INFINITY, mx = -INFINITY;
     for (int i = 0; i < 8; i++) {
-        s += a.s[i];
-        sum += a.sum[i];
-        sq += a.sq[i];
-        if (a.mn[i] < mn) mn = a.mn[i];
-        if (a.mx[i] > mx) mx = a.mx[i];
+        s += a->s[i];
+        sum += a->sum[i];
+        sq += a->sq[i];
+        if (a->mn[i] < mn) mn = a->mn[i];
+        if (a->mx[i] > mx) mx = a->mx[i];
     }
     r->s = s;
     r->sum = sum;
@@ -292,11 +308,75 @@ static void run(const uint8_t *p, size_t nbytes, int code, int dig, int sts, res
     r->mn = mn;
     r->mx = mx;
     r->nonfinite = r->inf = 0;
-    if (sts && !isfinite(sum)) {
+}
+
+static void run(const uint8_t *p, size_t nbytes, int code, int dig, int sts, result_t *r) {
+    acc_t a;
+    acc_init(&a);
+    size_t body = nbytes - nbytes % 64;
+    if (body && (dig || sts)) pick(code, dig, sts)(p, body, &a, 0);
+    acc_tail(p + body, nbytes - body, body, code, dig, sts, &a);
+    acc_finish(&a, r);
+    if (sts && !isfinite(r->sum)) {
         size_t size = itemsize(code);
         count_nonfinite(p, nbytes / size, code, &r->nonfinite, &r->inf);
         if (r->nonfinite > r->inf) { r->mn = NAN; r->mx = NAN; }  /* a NaN element: torch semantics */
     }
+}
+
+/* The same pass over a strided tensor's logical element sequence (row-major order of its shape):
+ * the elements are gathered into a buffer of GATHER bytes (a multiple of 64, so chunks, groups of
+ * 8 elements and table positions are those of the contiguous copy) and each full buffer is fed to
+ * the kernel with its running chunk offset. Returns 0, or 1 when the statistics' sum is not finite
+ * (the NaN/Inf counts need a second pass over the elements: the caller uses a contiguous copy). */
+#define GATHER ((size_t)1 << 14)
+#define MAX_DIMS 16
+
+static int run_strided(const uint8_t *p, size_t size, int ndim, const Py_ssize_t *shape, const Py_ssize_t *stride,
+                       int code, int dig, int sts, result_t *r) {
+    acc_t a;
+    acc_init(&a);
+    uint8_t buf[GATHER] __attribute__((aligned(64)));
+    size_t fill = 0, c0 = 0;
+    kernel_fn fn = (dig || sts) ? pick(code, dig, sts) : NULL;
+    Py_ssize_t idx[MAX_DIMS] = {0};
+    size_t n = 1;
+    for (int d = 0; d < ndim; d++) n *= (size_t)shape[d];
+    if (n) {
+        Py_ssize_t inner = ndim ? shape[ndim - 1] : 1, istride = ndim ? stride[ndim - 1] : 0;
+        size_t rows = n / (size_t)inner;
+        for (size_t row = 0; row < rows; row++) {
+            const uint8_t *src = p;
+            for (int d = 0; d < ndim - 1; d++) src += idx[d] * stride[d] * (Py_ssize_t)size;
+            Py_ssize_t done = 0;
+            while (done < inner) {
+                size_t room = (GATHER - fill) / size;
+                size_t take = (size_t)(inner - done) < room ? (size_t)(inner - done) : room;
+                if (istride == 1) {
+                    memcpy(buf + fill, src + done * (Py_ssize_t)size, take * size);
+                } else {
+                    for (size_t e = 0; e < take; e++)
+                        memcpy(buf + fill + e * size, src + (done + (Py_ssize_t)e) * istride * (Py_ssize_t)size, size);
+                }
+                fill += take * size;
+                done += (Py_ssize_t)take;
+                if (fill == GATHER) {
+                    if (fn) fn(buf, GATHER, &a, c0);
+                    c0 += GATHER / 64;
+                    fill = 0;
+                }
+            }
+            for (int d = ndim - 2; d >= 0; d--) {  /* the next row index */
+                if (++idx[d] < shape[d]) break;
+                idx[d] = 0;
+            }
+        }
+    }
+    size_t body = fill - fill % 64;
+    if (body && fn) fn(buf, body, &a, c0);
+    acc_tail(buf + body, fill - body, c0 * 64 + body, code, dig, sts, &a);
+    acc_finish(&a, r);
+    return sts && !isfinite(r->sum);
 }
 
 static PyObject *summary(PyObject *self, PyObject *args) {
@@ -332,6 +412,74 @@ static PyObject *summary(PyObject *self, PyObject *args) {
     if (sts) {
         st = Py_BuildValue("(ddddKK)", r.mn, r.mx, r.sum, r.sq, (unsigned long long)r.nonfinite,
                            (unsigned long long)r.inf);
+        if (st == NULL) { Py_DECREF(d); return NULL; }
+    } else {
+        Py_INCREF(Py_None);
+        st = Py_None;
+    }
+    PyObject *out = PyTuple_New(2);
+    if (out == NULL) { Py_DECREF(d); Py_DECREF(st); return NULL; }
+    PyTuple_SetItem(out, 0, d);
+    PyTuple_SetItem(out, 1, st);
+    return out;
+}
+
+static int dims(PyObject *seq, Py_ssize_t *out, const char *what) {
+    if (!PyTuple_Check(seq) || PyTuple_Size(seq) > MAX_DIMS) {
+        PyErr_Format(PyExc_ValueError, "%s must be a tuple of at most %d ints", what, MAX_DIMS);
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < PyTuple_Size(seq); i++) {
+        out[i] = PyLong_AsSsize_t(PyTuple_GetItem(seq, i));
+        if (out[i] == -1 && PyErr_Occurred()) return -1;
+        if (out[i] < 0) {
+            PyErr_Format(PyExc_ValueError, "%s must not hold negative values", what);
+            return -1;
+        }
+    }
+    return (int)PyTuple_Size(seq);
+}
+
+static PyObject *strided(PyObject *self, PyObject *args) {
+    (void)self;
+    unsigned long long addr;
+    Py_ssize_t size;
+    PyObject *shape_o, *stride_o;
+    int code, dig, sts;
+    if (!PyArg_ParseTuple(args, "KnO!O!ipp", &addr, &size, &PyTuple_Type, &shape_o, &PyTuple_Type, &stride_o,
+                          &code, &dig, &sts)) return NULL;
+    Py_ssize_t shape[MAX_DIMS], stride[MAX_DIMS];
+    int nd = dims(shape_o, shape, "shape");
+    if (nd < 0) return NULL;
+    int ns = dims(stride_o, stride, "stride");
+    if (ns < 0) return NULL;
+    if (nd != ns || size <= 0 || size > 8 || (sts && (pick(code, 1, 1) == NULL || (size_t)size != itemsize(code)))) {
+        PyErr_Format(PyExc_ValueError, "strided needs shape and stride of one length and an element size "
+                     "matching the code (%d dims, %d strides, size %zd, code %d)", nd, ns, size, code);
+        return NULL;
+    }
+    size_t n = 1;
+    for (int d = 0; d < nd; d++) n *= (size_t)shape[d];
+    if (n && !addr) {
+        PyErr_SetString(PyExc_ValueError, "null data pointer");
+        return NULL;
+    }
+    result_t r;
+    int nonfinite;
+    const uint8_t *p = (const uint8_t *)(uintptr_t)addr;
+    if (n * (size_t)size >= NOGIL_BYTES) {
+        Py_BEGIN_ALLOW_THREADS
+        nonfinite = run_strided(p, (size_t)size, nd, shape, stride, code, dig, sts, &r);
+        Py_END_ALLOW_THREADS
+    } else {
+        nonfinite = run_strided(p, (size_t)size, nd, shape, stride, code, dig, sts, &r);
+    }
+    if (nonfinite) Py_RETURN_NONE;
+    PyObject *d = dig ? PyLong_FromUnsignedLongLong(r.s) : (Py_INCREF(Py_None), Py_None);
+    if (d == NULL) return NULL;
+    PyObject *st;
+    if (sts) {
+        st = Py_BuildValue("(ddddKK)", r.mn, r.mx, r.sum, r.sq, 0ULL, 0ULL);
         if (st == NULL) { Py_DECREF(d); return NULL; }
     } else {
         Py_INCREF(Py_None);
@@ -427,6 +575,9 @@ static PyObject *entry(PyObject *self, PyObject *args) {
 static PyMethodDef methods[] = {
     {"summary", summary, METH_VARARGS,
      "summary(addr, nbytes, code, digest, stats) -> (S | None, (min, max, sum, sumsq, nonfinite, inf) | None)"},
+    {"strided", strided, METH_VARARGS,
+     "strided(addr, itemsize, shape, stride, code, digest, stats) -> summary()'s result over the logical "
+     "element sequence of a strided tensor (strides in elements), or None when the statistics' sum is not finite"},
     {"entry", entry, METH_VARARGS,
      "entry(addr, n, code, stats) -> (digest hex, statistics dict | (min, max, sum, sumsq, nonfinite, inf) | None)"},
     {NULL, NULL, 0, NULL},

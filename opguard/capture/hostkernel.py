@@ -70,6 +70,20 @@ def host_data(t: torch.Tensor) -> torch.Tensor:
     return t if t.is_contiguous() else t.contiguous()
 
 
+def summary_strided(kernel: Any, t: torch.Tensor, digest: bool, code: int | None) -> tuple[int | None, Any] | None:
+    """``summary`` of a non-contiguous real tensor read in place (the kernel gathers its logical
+    element sequence piecewise: no contiguous copy); None when the kernel cannot (built before
+    ``strided`` existed, a complex/conjugate/negative view, a contiguous tensor) or the statistics'
+    sum is not finite (the NaN/Inf counts need the copy)."""
+    fn = getattr(kernel, "strided", None)
+    if fn is None or t.is_contiguous() or t.is_complex() or t.is_conj() or t.is_neg():
+        return None
+    result: tuple[int | None, Any] | None = fn(
+        t.data_ptr(), t.element_size(), tuple(t.shape), tuple(t.stride()), -1 if code is None else code, digest,
+        code is not None)
+    return result
+
+
 def summary(kernel: Any, d: torch.Tensor, digest: bool, code: int | None) -> tuple[int | None, Any]:
     """``(S, row)`` for the contiguous real tensor ``d``: ``S`` of mix64-v1 (None unless ``digest``),
     ``row`` = (min, max, sum, sum of squares, non-finite count, Inf count) (None when ``code`` is None)."""

@@ -69,7 +69,7 @@ class _Ref(weakref.ref):  # type: ignore[type-arg]
 class _Summary:
     """Device-side results for one tensor content version (shared by every use of it)."""
 
-    __slots__ = ("digest", "hex", "n", "ref", "stats", "values")
+    __slots__ = ("dead", "digest", "hex", "n", "ref", "stats", "values")
 
     def __init__(self, digest: torch.Tensor | None, stats: torch.Tensor | None, n: int) -> None:
         self.ref: _Ref | None = None  # the tensor it was computed for (see _remember)
@@ -78,6 +78,7 @@ class _Summary:
         self.n = n
         self.hex: str | None = None  # the printed digest, once known (shared by every later use)
         self.values: dict[str, Any] | None = None  # the JSON statistics, once known
+        self.dead = False  # dropped from the cache (its tensor died, or a write made it stale)
 
     @property
     def has_digest(self) -> bool:
@@ -160,6 +161,9 @@ class Session:
         self._batch_ops = 0  # op records among them
         self._cache: dict[tuple[Any, ...], _Summary] = {}
         self._at: dict[int, list[tuple[Any, ...]]] = {}  # data pointer -> the cache keys at that address
+        # id(tensor) -> (weak ref, _version, data pointer, summary, dtype name, size, shape) of its last
+        # finished entry: the same tensor object used again unchanged costs one lookup (_entry_fast)
+        self._seen: dict[int, tuple[Any, int, int, _Summary, str, torch.Size, list[int]]] = {}
         self._dead = self._dead_entry  # one bound method for every weak reference's callback
         self.written = 0
         self._file_sizes: dict[str, int] = {}
@@ -263,7 +267,8 @@ class Session:
     def _summarize_host(self, t: torch.Tensor, key: tuple[Any, ...], s: _Summary | None, n: int,
                         want_stats: bool, range_stats: bool) -> _Summary:
         """``_summarize`` for a CPU tensor with the native kernel: digest and statistics known at
-        once (nothing to fetch), one read of the data; a non-contiguous tensor is copied first."""
+        once (nothing to fetch), one read of the data; a non-contiguous tensor is read in place by the
+        kernel's strided path (a contiguous copy first where it cannot)."""
         prev = torch.is_grad_enabled()
         torch._C._set_grad_enabled(False)
         try:
@@ -281,17 +286,23 @@ class Session:
             if s is None and not native_digest and self.digester.compute is not None:
                 digest = self.digester.compute(t)  # sample / xor modes: the PyTorch-ops digest
             if native_digest or need_stats:
-                d = hostkernel.host_data(t)
-                code = hostkernel.CODES.get(d.dtype) if need_stats else None
-                if need_stats and code is None:
-                    st = stats_row(d)  # an element type the kernel does not read (float8, uint16, ...)
-                if native_digest or code is not None:
-                    S, row = hostkernel.summary(self.host, d, native_digest, code)
-                    if S is not None:
-                        hexed = finish(S, count)
-                    if row is not None:
-                        mn, mx, total, squares, nonfinite, inf = row
-                        values = _json_stats(finish_moments(mn, mx, total, squares, nonfinite, inf, count))
+                code = hostkernel.CODES.get(t.dtype) if need_stats else None
+                got = hostkernel.summary_strided(self.host, t, native_digest, code) if (
+                    not need_stats or code is not None) else None
+                if got is not None:  # read in place, no contiguous copy
+                    S, row = got
+                else:
+                    d = hostkernel.host_data(t)
+                    code = hostkernel.CODES.get(d.dtype) if need_stats else None
+                    if need_stats and code is None:
+                        st = stats_row(d)  # an element type the kernel does not read (float8, uint16, ...)
+                    S, row = hostkernel.summary(self.host, d, native_digest, code) if (
+                        native_digest or code is not None) else (None, None)
+                if S is not None:
+                    hexed = finish(S, count)
+                if row is not None:
+                    mn, mx, total, squares, nonfinite, inf = row
+                    values = _json_stats(finish_moments(mn, mx, total, squares, nonfinite, inf, count))
         finally:
             torch._C._set_grad_enabled(prev)
         out = _Summary(digest, st, count)
@@ -359,7 +370,7 @@ class Session:
             self._forget(next(iter(cache)))  # the oldest entry (dicts keep insertion order)
 
     def _forget(self, key: tuple[Any, ...]) -> None:
-        del self._cache[key]
+        self._cache.pop(key).dead = True
         at = self._at.get(key[0])
         if at is not None:
             try:
@@ -388,6 +399,15 @@ class Session:
         """:meth:`entry` for the common case in one frame: a plain, contiguous, non-empty CPU tensor
         of an element type the native kernel reads (digest ``full``). Same cache key and results as
         :meth:`summarize`; ``None`` when the general path must decide."""
+        if not output and not fresh:  # the same tensor object, unchanged since its last entry
+            hit = self._seen.get(id(t))
+            if hit is not None:
+                ref, version, at, known, dn, size, shape = hit
+                # t.data = ... can change the data pointer or (a view of the same memory) the shape
+                # while _version stays
+                if (ref() is t and not known.dead and t._version == version and t.data_ptr() == at
+                        and t.shape == size):
+                    return {"slot": slot, "dtype": dn, "shape": shape, "device": "cpu", "digest": known.hex}
         tt = type(t)
         dtype = t.dtype
         code = hostkernel.CODES.get(dtype)  # None for quantized element types too (no is_quantized read)
@@ -431,10 +451,17 @@ class Session:
             return None
         hexed, values = s.hex, s.values
         if hexed is not None and (values is not None or not output):  # known now: written in, no fill
-            e: dict[str, Any] = {"slot": slot, "dtype": _DTYPE_NAMES.get(dtype) or records.dtype_name(dtype),
-                                 "shape": list(t.shape), "device": "cpu", "digest": hexed}
+            dn = _DTYPE_NAMES.get(dtype) or records.dtype_name(dtype)
+            size = t.shape
+            shape = list(size)
+            e: dict[str, Any] = {"slot": slot, "dtype": dn, "shape": shape, "device": "cpu", "digest": hexed}
             if output:
                 e["stats"] = values
+            seen = self._seen
+            if len(seen) >= CACHE_ENTRIES:
+                seen.clear()
+            ref = s.ref
+            seen[id(t)] = (ref if ref is not None and ref() is t else weakref.ref(t), version, ptr, s, dn, size, shape)
             return e
         e = {"slot": slot, "dtype": _DTYPE_NAMES.get(dtype) or records.dtype_name(dtype),
              "shape": list(t.shape), "device": "cpu", "digest": None}

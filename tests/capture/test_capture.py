@@ -343,6 +343,23 @@ def test_a_write_through_data_is_never_served_the_stale_digest(out_env: dict[str
     assert muls[1]["inputs"][1]["digest"] == write["outputs"][0]["digest"] == oc_digest(torch.full((4,), 3.0))
 
 
+def test_the_same_tensor_used_again_gets_its_current_shape_and_content(out_env: dict[str, str]) -> None:
+    """The same tensor object used again unchanged costs one lookup (Session._seen); a reshape
+    through ``.data`` (same memory, same version) and a swap of ``.data`` are seen."""
+    p = torch.nn.Parameter(torch.arange(6.0))
+    with oc.capture(env=out_env) as cap:
+        torch.neg(p)
+        torch.neg(p)                      # served by the same-object path
+        p.data = p.data.view(2, 3)        # same address and version, another shape
+        torch.neg(p)
+        p.data = torch.ones(2, 3)         # another address
+        torch.neg(p)
+    negs = [r["inputs"][0] for r in ops(read_trace(cap.path)) if r["fn"] == "torch.neg"]
+    assert [e["shape"] for e in negs] == [[6], [6], [2, 3], [2, 3]]
+    assert negs[0]["digest"] == negs[1]["digest"] == negs[2]["digest"] == oc_digest(torch.arange(6.0))
+    assert negs[3]["digest"] == oc_digest(torch.ones(2, 3))
+
+
 @pytest.mark.parametrize("kernel", ["native", "torch"])
 def test_dead_cache_entry_is_not_served_to_a_new_tensor_at_the_same_address(out_env: dict[str, str],
                                                                             kernel: str) -> None:

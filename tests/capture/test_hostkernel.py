@@ -182,6 +182,56 @@ def test_a_kernel_without_entry_writes_the_same_trace(tmp_path: Path, hk,  # typ
         assert a["inputs"] == b["inputs"] and a["outputs"] == b["outputs"]
 
 
+def _strided_views(t: torch.Tensor) -> list[torch.Tensor]:
+    """Non-contiguous views of ``t`` (2-D or 3-D): transposes, steps, a split's middle part (GPT's
+    q/k/v), a broadcast (stride 0), a flipped transpose."""
+    out = [t.transpose(0, -1), t[..., ::2], t.split(max(1, t.shape[-1] // 3), -1)[-1],
+           t.unsqueeze(0).expand(3, *t.shape), t.flip(0).transpose(0, -1)]
+    return [v for v in out if not v.is_contiguous()]
+
+
+@pytest.mark.parametrize("dtype", list(hostkernel.CODES))
+def test_strided_equals_summary_of_the_contiguous_copy(hk, dtype: torch.dtype) -> None:  # type: ignore[no-untyped-def]
+    """The in-place read of a non-contiguous tensor gives exactly the digest sum and statistics row
+    of its contiguous copy: rows split across gather buffers, tails, table blocks (> 512 KiB)."""
+    code = hostkernel.CODES[dtype]
+    cases = 0
+    for shape in ((3, 5), (7, 9), (8, 64, 192), (17, 1031), (1025, 257), (2, 700, 400)):
+        base = sample(dtype, math.prod(shape), 1).reshape(shape)
+        for v in _strided_views(base):
+            c = v.contiguous()
+            ref = hk.summary(c.data_ptr(), c.numel() * c.element_size(), code, True, True)
+            got = hk.strided(v.data_ptr(), v.element_size(), tuple(v.shape), tuple(v.stride()), code, True, True)
+            assert got == ref, (dtype, shape, v.shape, v.stride())
+            digest_only = hk.strided(v.data_ptr(), v.element_size(), tuple(v.shape), tuple(v.stride()), -1, True, False)
+            assert digest_only == (ref[0], None)
+            cases += 1
+    assert cases >= 20
+
+
+def test_strided_leaves_a_non_finite_sum_to_the_copy(hk, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    x = torch.randn(50, 40)
+    x[3, 7] = math.nan
+    t = x.t()
+    assert hk.strided(t.data_ptr(), 4, tuple(t.shape), tuple(t.stride()), 0, True, True) is None
+    with pytest.raises(ValueError, match="element size"):
+        hk.strided(t.data_ptr(), 8, tuple(t.shape), tuple(t.stride()), 0, True, True)
+    with pytest.raises(ValueError, match="negative"):
+        hk.strided(t.data_ptr(), 4, (40, 50), (1, -40), 0, True, True)
+    # through capture: the copy path counts the NaN exactly
+    with oc.capture(env={"OPGUARD_TRACE_OUTPUT_BASE": str(tmp_path)}) as cap:
+        x.t().mul(1.0).t()
+    out = [r for r in ops(read_trace(cap.path)) if r["fn"] == "Tensor.t"][-1]["outputs"][0]
+    assert out["stats"]["nan"] == 1 and out["digest"] == oc_digest_of(x.t().mul(1.0).t())
+
+
+def oc_digest_of(t: torch.Tensor) -> str:
+    from opguard.capture.digest import finish
+
+    c = t.contiguous()
+    return finish(torch_sum(c), c.numel())
+
+
 def _cpu_flags() -> set[str]:
     try:
         text = Path("/proc/cpuinfo").read_text()

@@ -1,0 +1,78 @@
+"""The floor under capture's step ratio: what an empty torch function mode costs on the same models.
+
+    OMP_NUM_THREADS=1 .venv/bin/python bench/capture_floor.py [--models ops,gpt,mlp,bench] [--rounds 4] [--steps 6]
+
+Capture's function mode is a ``TorchFunctionMode``; PyTorch calls its ``__torch_function__`` for every
+``torch.*``, ``torch.nn.functional.*`` and ``Tensor`` call, and Python-level torch functions take
+their ``handle_torch_function`` path under any mode. This script times each model of
+``bench/capture_ops.py`` uncaptured and under a mode that only calls the function
+(``return func(*args, **kwargs)``), blocks alternating, and prints per model the minimum step time
+(thread CPU) of each, their ratio (the floor no capture built on a function mode can go below),
+the intercepted calls per step and the µs each costs. Same process, same models, one thread.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--models", default="ops,gpt,mlp,bench")
+    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=6)
+    args = ap.parse_args()
+
+    import torch
+    from torch.overrides import TorchFunctionMode
+
+    from bench.capture_ops import make
+
+    torch.set_num_threads(1)
+
+    class Empty(TorchFunctionMode):
+        calls = 0
+
+        def __torch_function__(self, func: Any, types: Any, a: Any = (), kw: Any = None) -> Any:
+            Empty.calls += 1
+            return func(*a, **(kw or {}))
+
+    out: dict[str, Any] = {}
+    load = [round(os.getloadavg()[0], 2)]
+    for name in args.models.split(","):
+        step = make(name)
+        step()
+        step()
+        base, moded = 1e9, 1e9
+        calls = 0
+        for _ in range(args.rounds):
+            for _ in range(args.steps):
+                c0 = time.thread_time()
+                step()
+                base = min(base, time.thread_time() - c0)
+            with Empty():
+                step()
+                Empty.calls = 0
+                for _ in range(args.steps):
+                    c0 = time.thread_time()
+                    step()
+                    moded = min(moded, time.thread_time() - c0)
+                calls = Empty.calls // args.steps
+        out[name] = {"base_ms": round(base * 1e3, 3), "empty_mode_ms": round(moded * 1e3, 3),
+                     "floor_ratio": round(moded / base, 3), "calls_per_step": calls,
+                     "us_per_call": round((moded - base) * 1e6 / max(calls, 1), 2)}
+        print(f"{name}: done", file=sys.stderr, flush=True)
+    load.append(round(os.getloadavg()[0], 2))
+    print(json.dumps({"models": out, "loadavg_1min_start_end": load, "torch": torch.__version__}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
