@@ -6,12 +6,15 @@ native kernel ``opguard/capture/_hostkernel.abi3.so`` copied in).
         [--steps 6] [--models ops,gpt,mlp]
 
 Each round runs one fresh process per tree, the order alternating (new/old, old/new, ...); a
-process times ``--steps`` uncaptured and ``--steps`` captured steps of every model (the models of
-``bench/capture_ops.py``), thread CPU time. Per tree and model the figure is the **minimum** over
-all rounds and steps (captured and uncaptured separately): on a shared machine other processes
-only ever add time, so the minimum is the least disturbed measurement. Printed: CPU ratio
-(captured / uncaptured step) and CPU µs per recorded op, per tree, and the 1-minute load average
-before every process.
+process times, per model (the models of ``bench/capture_ops.py``), ``--blocks`` pairs of
+``--steps`` uncaptured steps followed at once by ``--steps`` captured steps (a fresh capture per
+block), thread CPU time. Per tree and model: ``cpu_ratio`` / ``cpu_us_per_record`` from the
+**minimum** over all rounds and steps (captured and uncaptured separately: other processes only
+ever add time), and ``paired_ratio_median`` / ``paired_us_per_record_median``: the median over
+all block pairs of (captured minimum / uncaptured minimum of the block just before). This
+machine's speed drifts by 30 % over seconds (shared cores); a pair is measured within a fraction of
+a second, so the paired median is the figure to quote, the minimum its cross-check. Also printed:
+the 1-minute load average before every process.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -30,7 +34,7 @@ REPO = Path(__file__).resolve().parent.parent
 CHILD = r"""
 import json, sys, tempfile, time
 from pathlib import Path
-tree, repo, models, steps = sys.argv[1], sys.argv[2], sys.argv[3].split(","), int(sys.argv[4])
+tree, repo, models, steps, blocks = sys.argv[1], sys.argv[2], sys.argv[3].split(","), int(sys.argv[4]), int(sys.argv[5])
 sys.path[:0] = [tree, repo]
 import torch
 torch.set_num_threads(1)
@@ -42,16 +46,22 @@ for name in models:
     step = make(name)
     for _ in range(2):
         step()
-    base = []
-    for _ in range(steps):
-        c0 = time.thread_time(); step(); base.append(time.thread_time() - c0)
-    d = Path(tempfile.mkdtemp(prefix="capab-"))
-    cap = []
-    with oc.capture(env={"OPGUARD_TRACE_OUTPUT_BASE": str(d)}):
-        step()
+    base, cap, pairs, records = [], [], [], 0
+    for _ in range(blocks):  # an uncaptured block, then a captured one right after it: one pair
+        b = []
         for _ in range(steps):
-            c0 = time.thread_time(); step(); cap.append(time.thread_time() - c0)
-    out[name] = {"base": base, "cap": cap, "records_per_step": count_ops(d) / (steps + 1)}
+            c0 = time.thread_time(); step(); b.append(time.thread_time() - c0)
+        d = Path(tempfile.mkdtemp(prefix="capab-"))
+        c = []
+        with oc.capture(env={"OPGUARD_TRACE_OUTPUT_BASE": str(d)}):
+            step()
+            for _ in range(steps):
+                c0 = time.thread_time(); step(); c.append(time.thread_time() - c0)
+        records = count_ops(d) / (steps + 1)
+        base += b
+        cap += c
+        pairs.append([min(b), min(c)])
+    out[name] = {"base": base, "cap": cap, "pairs": pairs, "records_per_step": records}
 print(json.dumps(out))
 """
 
@@ -62,6 +72,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--models", default="ops,gpt,mlp")
+    ap.add_argument("--blocks", type=int, default=3, help="uncaptured/captured block pairs per process and model")
     args = ap.parse_args()
     trees = {"new": str(REPO), "old": str(args.old.resolve())}
     got: dict[str, dict[str, dict[str, Any]]] = {"new": {}, "old": {}}
@@ -72,19 +83,26 @@ def main() -> None:
             loads.append(round(os.getloadavg()[0], 2))
             with tempfile.TemporaryDirectory() as cwd:
                 res = subprocess.run([sys.executable, "-c", CHILD, trees[tag], str(REPO), args.models,
-                                      str(args.steps)], cwd=cwd, env=env, capture_output=True, text=True,
-                                     check=True)
+                                      str(args.steps), str(args.blocks)], cwd=cwd, env=env, capture_output=True,
+                                     text=True, check=True)
             for name, r in json.loads(res.stdout.strip().splitlines()[-1]).items():
-                acc = got[tag].setdefault(name, {"base": [], "cap": [], "records_per_step": r["records_per_step"]})
+                acc = got[tag].setdefault(name, {"base": [], "cap": [], "pairs": [],
+                                                 "records_per_step": r["records_per_step"]})
                 acc["base"] += r["base"]
                 acc["cap"] += r["cap"]
+                acc["pairs"] += r["pairs"]
             print(f"round {rnd} {tag} done (load {loads[-1]})", file=sys.stderr, flush=True)
     table: dict[str, Any] = {}
     for tag, models in got.items():
         for name, acc in models.items():
             b, c, n = min(acc["base"]), min(acc["cap"]), acc["records_per_step"]
+            ratios = sorted(cb / bb for bb, cb in acc["pairs"])
+            per_rec = sorted((cb - bb) / n * 1e6 for bb, cb in acc["pairs"]) if n else []
             table.setdefault(name, {})[tag] = {
                 "cpu_ratio": round(c / b, 3), "cpu_us_per_record": round((c - b) / n * 1e6, 1) if n else None,
+                "paired_ratio_median": round(statistics.median(ratios), 3),
+                "paired_ratio_range": [round(ratios[0], 3), round(ratios[-1], 3)],
+                "paired_us_per_record_median": round(statistics.median(per_rec), 1) if per_rec else None,
                 "base_ms": round(b * 1e3, 3), "cap_ms": round(c * 1e3, 3), "records_per_step": n}
     print(json.dumps({"models": table, "loadavg_1min": loads, "config": {k: str(v) for k, v in vars(args).items()}},
                      indent=1))

@@ -160,7 +160,8 @@ class Session:
         self._batch: list[bytes] | None = None  # encoded records of the flush in progress, not yet written
         self._batch_ops = 0  # op records among them
         self._cache: dict[tuple[Any, ...], _Summary] = {}
-        self._at: dict[int, list[tuple[Any, ...]]] = {}  # data pointer -> the cache keys at that address
+        # data pointer -> the cache keys made at that address (dropped ones pruned lazily)
+        self._at: dict[int, list[tuple[Any, ...]]] = {}
         # id(tensor) -> (weak ref, _version, data pointer, summary, dtype name, size, shape) of its last
         # finished entry: the same tensor object used again unchanged costs one lookup (_entry_fast)
         self._seen: dict[int, tuple[Any, int, int, _Summary, str, torch.Size, list[int]]] = {}
@@ -359,26 +360,24 @@ class Session:
         ref.key = key
         s.ref = ref
         cache = self._cache
-        if key not in cache:
-            at = self._at.get(key[0])
-            if at is None:
-                self._at[key[0]] = [key]
-            else:
-                at.append(key)
         cache[key] = s
+        at = self._at.get(key[0])  # the keys at this address: may hold dropped ones, pruned here
+        if at is None:
+            at_all = self._at
+            if len(at_all) > 4 * CACHE_ENTRIES:  # addresses of dead tensors only: rebuilt from the cache
+                self._at = at_all = {}
+                for k in cache:
+                    at_all.setdefault(k[0], []).append(k)
+            at_all[key[0]] = [key]
+        else:
+            at.append(key)
+            if len(at) > 8:
+                at[:] = [k for k in at if k in cache]
         if len(cache) > CACHE_ENTRIES:
             self._forget(next(iter(cache)))  # the oldest entry (dicts keep insertion order)
 
     def _forget(self, key: tuple[Any, ...]) -> None:
         self._cache.pop(key).dead = True
-        at = self._at.get(key[0])
-        if at is not None:
-            try:
-                at.remove(key)
-            except ValueError:
-                pass
-            if not at:
-                del self._at[key[0]]
 
     def _wrote(self, ptr: int, key: tuple[Any, ...]) -> None:
         """A recorded output was written at ``ptr`` (content version ``key``): every other cached
@@ -387,8 +386,13 @@ class Session:
         of its own (``p.data.mul_(...)``, which leaves ``p._version`` as it was)."""
         at = self._at.get(ptr)
         if at is not None:
-            for k in [k for k in at if k != key]:
-                self._forget(k)
+            cache = self._cache
+            for k in at:
+                if k != key:
+                    s = cache.pop(k, None)
+                    if s is not None:
+                        s.dead = True
+            self._at[ptr] = [key] if key in cache else []
 
     def _dead_entry(self, ref: _Ref) -> None:
         s = self._cache.get(ref.key)
