@@ -8,7 +8,10 @@ their ``handle_torch_function`` path under any mode. This script times each mode
 ``bench/capture_ops.py`` uncaptured and under a mode that only calls the function
 (``return func(*args, **kwargs)``), blocks alternating, and prints per model the minimum step time
 (thread CPU) of each, their ratio (the floor no capture built on a function mode can go below),
-the intercepted calls per step and the µs each costs. Same process, same models, one thread.
+the intercepted calls per step and the µs each costs. ``floor_ratio_optimizer_off`` is the same with
+the empty mode taken off the stack during every ``Optimizer.step()`` (as capture does with its
+mode, ``docs/capture.md`` §3.8): the floor under capture's design. Same process, same models, one
+thread.
 """
 
 from __future__ import annotations
@@ -45,30 +48,59 @@ def main() -> None:
             Empty.calls += 1
             return func(*a, **(kw or {}))
 
+    from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+    off: list[Any] = []
+    skip = {"on": False}
+
+    def pre(*_: Any) -> None:
+        if skip["on"] and torch._C._len_torch_function_stack():
+            off.append(torch._C._pop_torch_function_stack())
+
+    def post(*_: Any) -> None:
+        if off:
+            torch._C._push_on_torch_function_stack(off.pop())
+
+    register_optimizer_step_pre_hook(pre)
+    register_optimizer_step_post_hook(post)
+
+    def timed(step: Any, mode: bool, optimizer_off: bool = False) -> tuple[float, int]:
+        best = 1e9
+        if not mode:
+            for _ in range(args.steps):
+                c0 = time.thread_time()
+                step()
+                best = min(best, time.thread_time() - c0)
+            return best, 0
+        skip["on"] = optimizer_off
+        with Empty():
+            step()
+            Empty.calls = 0
+            for _ in range(args.steps):
+                c0 = time.thread_time()
+                step()
+                best = min(best, time.thread_time() - c0)
+        skip["on"] = False
+        return best, Empty.calls // args.steps
+
     out: dict[str, Any] = {}
     load = [round(os.getloadavg()[0], 2)]
     for name in args.models.split(","):
         step = make(name)
         step()
         step()
-        base, moded = 1e9, 1e9
-        calls = 0
+        base, moded, moff = 1e9, 1e9, 1e9
+        calls = calls_off = 0
         for _ in range(args.rounds):
-            for _ in range(args.steps):
-                c0 = time.thread_time()
-                step()
-                base = min(base, time.thread_time() - c0)
-            with Empty():
-                step()
-                Empty.calls = 0
-                for _ in range(args.steps):
-                    c0 = time.thread_time()
-                    step()
-                    moded = min(moded, time.thread_time() - c0)
-                calls = Empty.calls // args.steps
+            base = min(base, timed(step, False)[0])
+            m, calls = timed(step, True)
+            moded = min(moded, m)
+            m, calls_off = timed(step, True, optimizer_off=True)
+            moff = min(moff, m)
         out[name] = {"base_ms": round(base * 1e3, 3), "empty_mode_ms": round(moded * 1e3, 3),
                      "floor_ratio": round(moded / base, 3), "calls_per_step": calls,
-                     "us_per_call": round((moded - base) * 1e6 / max(calls, 1), 2)}
+                     "us_per_call": round((moded - base) * 1e6 / max(calls, 1), 2),
+                     "floor_ratio_optimizer_off": round(moff / base, 3), "calls_per_step_optimizer_off": calls_off}
         print(f"{name}: done", file=sys.stderr, flush=True)
     load.append(round(os.getloadavg()[0], 2))
     print(json.dumps({"models": out, "loadavg_1min_start_end": load, "torch": torch.__version__}, indent=1))

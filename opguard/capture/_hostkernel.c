@@ -379,6 +379,26 @@ static int run_strided(const uint8_t *p, size_t size, int ndim, const Py_ssize_t
     return sts && !isfinite(r->sum);
 }
 
+/* (S or None, (min, max, sum, sumsq, nonfinite, inf) or None): the result of summary() and strided() */
+static PyObject *summary_result(const result_t *r, int dig, int sts) {
+    PyObject *d = dig ? PyLong_FromUnsignedLongLong(r->s) : (Py_INCREF(Py_None), Py_None);
+    if (d == NULL) return NULL;
+    PyObject *st;
+    if (sts) {
+        st = Py_BuildValue("(ddddKK)", r->mn, r->mx, r->sum, r->sq, (unsigned long long)r->nonfinite,
+                           (unsigned long long)r->inf);
+        if (st == NULL) { Py_DECREF(d); return NULL; }
+    } else {
+        Py_INCREF(Py_None);
+        st = Py_None;
+    }
+    PyObject *out = PyTuple_New(2);
+    if (out == NULL) { Py_DECREF(d); Py_DECREF(st); return NULL; }
+    PyTuple_SetItem(out, 0, d);
+    PyTuple_SetItem(out, 1, st);
+    return out;
+}
+
 static PyObject *summary(PyObject *self, PyObject *args) {
     (void)self;
     unsigned long long addr;
@@ -406,22 +426,7 @@ static PyObject *summary(PyObject *self, PyObject *args) {
     } else {
         run(p, (size_t)nbytes, code, dig, sts, &r);
     }
-    PyObject *d = dig ? PyLong_FromUnsignedLongLong(r.s) : (Py_INCREF(Py_None), Py_None);
-    if (d == NULL) return NULL;
-    PyObject *st;
-    if (sts) {
-        st = Py_BuildValue("(ddddKK)", r.mn, r.mx, r.sum, r.sq, (unsigned long long)r.nonfinite,
-                           (unsigned long long)r.inf);
-        if (st == NULL) { Py_DECREF(d); return NULL; }
-    } else {
-        Py_INCREF(Py_None);
-        st = Py_None;
-    }
-    PyObject *out = PyTuple_New(2);
-    if (out == NULL) { Py_DECREF(d); Py_DECREF(st); return NULL; }
-    PyTuple_SetItem(out, 0, d);
-    PyTuple_SetItem(out, 1, st);
-    return out;
+    return summary_result(&r, dig, sts);
 }
 
 static int dims(PyObject *seq, Py_ssize_t *out, const char *what) {
@@ -475,21 +480,7 @@ static PyObject *strided(PyObject *self, PyObject *args) {
         nonfinite = run_strided(p, (size_t)size, nd, shape, stride, code, dig, sts, &r);
     }
     if (nonfinite) Py_RETURN_NONE;
-    PyObject *d = dig ? PyLong_FromUnsignedLongLong(r.s) : (Py_INCREF(Py_None), Py_None);
-    if (d == NULL) return NULL;
-    PyObject *st;
-    if (sts) {
-        st = Py_BuildValue("(ddddKK)", r.mn, r.mx, r.sum, r.sq, 0ULL, 0ULL);
-        if (st == NULL) { Py_DECREF(d); return NULL; }
-    } else {
-        Py_INCREF(Py_None);
-        st = Py_None;
-    }
-    PyObject *out = PyTuple_New(2);
-    if (out == NULL) { Py_DECREF(d); Py_DECREF(st); return NULL; }
-    PyTuple_SetItem(out, 0, d);
-    PyTuple_SetItem(out, 1, st);
-    return out;
+    return summary_result(&r, dig, sts);
 }
 
 static uint64_t fmix64(uint64_t z) {

@@ -33,6 +33,7 @@ step op by op.
 from __future__ import annotations
 
 import sys
+import threading
 import weakref
 from collections.abc import Iterator
 from types import FrameType
@@ -100,12 +101,15 @@ class OptimizerSteps:
         self.session = session
         self.module_paths = module_paths
         self.mode = mode  # capture's function mode: off the stack during a step when it is the innermost
+        # capture records the thread that started it (torch function modes are per thread): a step
+        # run by another thread is not this capture's, and must not silence this thread's calls
+        self.thread = threading.get_ident()
         # per optimizer: id(parameter) -> module path, and how many modules it was built from
         self._names: weakref.WeakKeyDictionary[Any, tuple[int, dict[int, str]]] = weakref.WeakKeyDictionary()
 
     # ---- hooks --------------------------------------------------------------------------------
     def pre(self, opt: Any, args: Any, kwargs: Any) -> None:
-        if _compiling():
+        if _compiling() or threading.get_ident() != self.thread:
             return
         s = self.session
         if s.quiet is not None:
@@ -153,7 +157,7 @@ class OptimizerSteps:
         s.parents.append(call.rec["seq"])
 
     def post(self, opt: Any, _args: Any, _kwargs: Any) -> None:
-        if _compiling():
+        if _compiling() or threading.get_ident() != self.thread:
             return
         step = self.session.quiet
         if isinstance(step, OpenStep) and step.opt is opt:

@@ -199,6 +199,35 @@ def test_a_step_writing_through_data_records_the_parameters_it_left(tmp_path: Pa
     assert before != after == lin[1]["inputs"][1]["digest"]   # the update is seen, and the next forward reads it
 
 
+def test_a_step_in_another_thread_leaves_this_threads_capture_alone(tmp_path: Path) -> None:
+    """Capture records the thread that started it (the mode stack is per thread); an optimizer
+    stepped by another thread meanwhile must not silence this thread's calls."""
+    import threading
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model(torch.randn(2, 3)).sum().backward()
+    inside, release = threading.Event(), threading.Event()
+
+    def hold(*_: Any) -> None:  # the other thread's step waits here, after the global pre-hooks ran
+        inside.set()
+        release.wait(30)
+
+    opt.register_step_pre_hook(hold)
+    with oc.capture(env={"OPGUARD_TRACE_OUTPUT_BASE": str(tmp_path)}) as cap:
+        worker = threading.Thread(target=opt.step)
+        worker.start()
+        assert inside.wait(30)
+        torch.ones(2).add(1)        # this thread, while the other thread's step is open
+        release.set()
+        worker.join(30)
+        torch.ones(2).mul(2)
+    op = ops(read_trace(cap.path))
+    assert [r["fn"] for r in op if r["fn"] in ("Tensor.add", "Tensor.mul")] == ["Tensor.add", "Tensor.mul"]
+    assert not any(r["api"] == "optimizer" for r in op)
+
+
 def test_compare_names_the_changed_learning_rate(tmp_path: Path) -> None:
     _captured(tmp_path / "a", lr=1e-3)
     _captured(tmp_path / "b", lr=2e-3)
