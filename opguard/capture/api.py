@@ -183,7 +183,7 @@ class Capture:
         _active = None
         try:
             if self.optimizer_steps is not None:
-                self.optimizer_steps.settle()  # a step that raised: the mode back on the stack before it exits
+                self.optimizer_steps.before_stop()  # capture's mode back on the stack before it exits
             while self._entered:
                 self._entered.pop().__exit__(None, None, None)
         finally:

@@ -89,7 +89,9 @@ class OpenStep:
                 self.steps.end(self, error=what)
 
     def abandon(self) -> None:
-        """The capture ends while the step is open (it never returned)."""
+        """The capture ended while the step is open (it never returned): the record is closed;
+        capture's mode was put back for its exit (``OptimizerSteps.before_stop``), never again."""
+        self.popped = None
         self.steps.end(self, error="the step did not return before the capture ended")
 
 
@@ -175,6 +177,15 @@ class OptimizerSteps:
             f = f.f_back
         self.end(step, error="the step raised (it did not return); the calls from then to the next module "
                              "forward, optimizer step or the end of the capture were not recorded")
+
+    def before_stop(self) -> None:
+        """The capture is stopping: a step that raised is closed; for one still open (the capture
+        stopped inside it) capture's mode goes back on the stack, so that its exit pops itself."""
+        self.settle()
+        step = self.session.quiet
+        if isinstance(step, OpenStep) and step.popped is not None:
+            _push_mode(step.popped)
+            step.popped = None
 
     def end(self, step: OpenStep, error: str | None = None) -> None:
         """Close ``step``: its outputs (the parameters and state now), ``error`` when it raised."""

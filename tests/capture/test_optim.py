@@ -228,6 +228,25 @@ def test_a_step_in_another_thread_leaves_this_threads_capture_alone(tmp_path: Pa
     assert not any(r["api"] == "optimizer" for r in op)
 
 
+def test_a_capture_that_ends_inside_a_step_leaves_no_mode_behind(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model(torch.randn(2, 3)).sum().backward()
+    depth = torch._C._len_torch_function_stack()
+    ctx = oc.capture(env={"OPGUARD_TRACE_OUTPUT_BASE": str(tmp_path)})
+    cap = ctx.__enter__()
+
+    def stop_inside(*_: Any) -> None:  # a step pre-hook of the program's: runs after capture's global one
+        ctx.__exit__(None, None, None)
+
+    opt.register_step_pre_hook(stop_inside)
+    opt.step()
+    assert torch._C._len_torch_function_stack() == depth
+    steps = [r for r in ops(read_trace(cap.path)) if r["api"] == "optimizer"]
+    assert len(steps) == 1 and "did not return before the capture ended" in steps[0]["error"]
+
+
 def test_compare_names_the_changed_learning_rate(tmp_path: Path) -> None:
     _captured(tmp_path / "a", lr=1e-3)
     _captured(tmp_path / "b", lr=2e-3)
