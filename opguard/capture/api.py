@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import threading
 import weakref
 from collections.abc import Iterator
 from typing import Any
@@ -138,6 +139,7 @@ class Capture:
         self.modules.optimizer_steps = self.optimizer_steps
         self._entered: list[Any] = []
         self._optim_hooks: list[Any] = []
+        self._thread = threading.get_ident()  # torch function modes are per thread: so are steps (start())
 
     @property
     def path(self) -> Any:
@@ -148,6 +150,7 @@ class Capture:
         if _active is not None:
             raise ConfigError("a capture is already active in this process",
                               "nest no capture() blocks (opguard-run --capture already captures the whole program)")
+        self._thread = threading.get_ident()
         self.modules.install()
         self.collectives.install()
         if self.optimizer_steps is not None:  # each step one record (optim.py): its hooks first
@@ -165,8 +168,9 @@ class Capture:
 
     def _optimizer_stepped(self, _opt: Any, _args: Any, _kwargs: Any) -> None:
         """Steps without code changes: each ``Optimizer.step()`` advances the step, unless the
-        program sets steps itself (``step()``: then markers alone decide)."""
-        if _compiling():
+        program sets steps itself (``step()``: then markers alone decide). Only the steps of the
+        thread that started the capture count (another thread's optimizer is not this capture's)."""
+        if _compiling() or threading.get_ident() != self._thread:
             return
         s = self.session
         if s.step_source == "marker":

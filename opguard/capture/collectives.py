@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from opguard.capture.frames import standin
 from opguard.capture.mode import tensors_in
-from opguard.capture.session import Session
+from opguard.capture.session import ANY, Session
 
 # name -> (parameters written by the collective, parameters only written: not summarised as inputs)
 COLLECTIVES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
@@ -81,12 +81,16 @@ def _wrap(session: Session, name: str, orig: Callable[..., Any]) -> Callable[...
             s.failed("recording", err, call)
             return via(orig, args, kwargs)
         s.parents.append(rec["seq"])
+        # torch.distributed's own functions come back to the function mode for this call
+        # (handle_torch_function): the collective record is the call, the mode runs it unrecorded
+        s.inflight.append((orig, ANY))
         try:
             result = via(orig, args, kwargs)
         except BaseException as e:
             rec["error"] = f"{type(e).__name__}: {e}"[:500]
             raise
         finally:
+            s.inflight.pop()
             s.parents.pop()
         try:
             if is_async:

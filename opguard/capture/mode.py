@@ -37,6 +37,7 @@ from torch.overrides import TorchFunctionMode
 
 from opguard.capture import records
 from opguard.capture.frames import standin
+from opguard.capture.session import ANY as _ANY
 from opguard.capture.session import Call, Session
 
 _OPS = (torch._ops.OpOverload, torch._ops.OpOverloadPacket)
@@ -128,8 +129,9 @@ class CaptureMode(TorchFunctionMode):
         self.nested = session.options.nested
         self.noise = session.options.record_noise
         self.on_output = on_output  # dispatch level: tag grad_fn of outputs
-        # (function, first argument) of the calls this mode re-entered itself for, innermost last
-        self.inflight: list[tuple[Any, Any]] = []
+        # (function, first argument) of the calls this mode re-entered itself for, innermost last;
+        # a collective wrapper's (function, ANY) while it runs (collectives.py)
+        self.inflight = session.inflight
 
     def __torch_function__(self, func: Any, types: Any, args: Sequence[Any] = (),
                            kwargs: Mapping[str, Any] | None = None) -> Any:
@@ -151,7 +153,7 @@ class CaptureMode(TorchFunctionMode):
         inflight = self.inflight
         if inflight:
             f0, a0 = inflight[-1]
-            if f0 is func and (args[0] if args else None) is a0:
+            if f0 is func and (a0 is _ANY or (args[0] if args else None) is a0):
                 return via(func, args, kwargs)  # PyTorch came back for the call being handled: run it
         try:
             try:

@@ -87,6 +87,8 @@ def _compute_name(func: Any) -> tuple[str, int]:
     if fname in ("__get__", "__set__", "__delete__") and owner is not None and hasattr(owner, "__objclass__"):
         attr = getattr(owner, "__name__", "?")
         return f"Tensor.{attr}", NOISE if fname == "__get__" and attr in TENSOR_PROPERTIES else METADATA
+    if func is torch.device:  # a device object built: no tensor, no computation
+        return "torch.device", METADATA
     if isinstance(func, torch._ops.OpOverload):
         return f"aten::{func._opname}.{func._overloadname}" if func.namespace == "aten" else str(func), RECORD
     qual = getattr(func, "__qualname__", fname)

@@ -44,6 +44,7 @@ _DTYPE_NAMES = {d: str(d).removeprefix("torch.") for d in (
     torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16, torch.int8,
     torch.uint8, torch.bool)}
 CACHE_ENTRIES = 8192
+ANY = object()  # an ``inflight`` entry matching its function with any arguments
 TRACE = f"{CAPTURE_DIRNAME}/{CAPTURE_TRACE_FILE}"
 
 
@@ -144,6 +145,8 @@ class Session:
         own = globals()
         self.host_entry: Any = (getattr(self.host, "entry", None) if self.host_digest and own["finish"] is _FINISH
                                 and own["_moments_json"] is _MOMENTS_JSON else None)
+        # the kernel's in-place read of non-contiguous tensors (None: built before it existed)
+        self.host_strided: Any = getattr(self.host, "strided", None) if self.host_digest else None
         self.buffer = options.buffer  # records held before a flush (read per op)
         self.sites = SiteTable()
         self.sources = SourceIndex()
@@ -175,6 +178,9 @@ class Session:
         self.closed = False
         self.busy = 0  # > 0 while capture itself runs tensor work (the dispatch level ignores it)
         self.quiet: Any = None  # the Optimizer.step() recorded as one record while it runs (optim.OpenStep)
+        # (function, first argument or ANY) of the calls being handled, innermost last: the function
+        # mode's re-entries and the collective wrappers (mode.py, collectives.py)
+        self.inflight: list[tuple[Any, Any]] = []
         self.on_cap: list[Any] = []  # callables run when the cap stops interception
         self._failures: set[tuple[str, torch.dtype]] = set()  # summary failures already said on stderr
         self._stage_failures: dict[tuple[str, str], int] = {}  # (stage, exception type) -> count
@@ -416,8 +422,10 @@ class Session:
         dtype = t.dtype
         code = hostkernel.CODES.get(dtype)  # None for quantized element types too (no is_quantized read)
         if ((tt is not _Tensor and tt is not _Parameter) or code is None or not t.is_cpu or t.layout is not _STRIDED
-                or not t.is_contiguous() or t.is_neg()):
+                or t.is_neg()):
             return None
+        if not t.is_contiguous():
+            return self._entry_strided(slot, t, output, fresh, dtype, code)
         n = t.numel()
         if not n:
             return None
@@ -474,6 +482,67 @@ class Session:
         if output:
             e["stats"] = None
         call.fills.append((e, s, output))
+        return e
+
+    def _entry_strided(self, slot: str, t: torch.Tensor, output: bool, fresh: bool, dtype: torch.dtype,
+                       code: int) -> dict[str, Any] | None:
+        """:meth:`_entry_fast` for a non-contiguous plain CPU tensor (a transpose, a split's part): the
+        kernel reads it in place (``strided``). Same cache key, reuse of the spanned range's
+        statistics and values as :meth:`summarize` / :meth:`_summarize_host`; ``None`` when the
+        general path must decide (a kernel without ``strided``, a non-finite sum, a cached entry
+        without the statistics an output needs)."""
+        strided = self.host_strided
+        n = t.numel()
+        if strided is None or not n:
+            return None
+        try:
+            version = t._version
+        except RuntimeError:  # an inference tensor: the general path
+            return None
+        ptr = t.data_ptr()
+        size = t.shape
+        stride = t.stride()
+        key = (ptr, size, stride, dtype, _CPU, version)
+        if output and ptr in self._at:
+            self._wrote(ptr, key)
+        s = None if fresh else self._cache.get(key)
+        if s is not None and (s.ref is None or s.ref() is None):
+            s = None
+        if s is None:
+            values = None
+            want = output
+            if output and not fresh and _dense(t):  # the range it spans was summarised: its statistics
+                same = self._lookup((ptr, n, dtype, _CPU, version))
+                if same is not None:
+                    if same.stats is not None:
+                        return None
+                    values = same.values
+                    want = values is None
+            got = strided(ptr, t.element_size(), tuple(size), stride, code if want else -1, True, want)
+            if got is None:  # a non-finite sum: the NaN/Inf counts come from the copy
+                return None
+            S, row = got
+            s = _Summary(None, None, n)
+            s.hex = finish(S, n)
+            if row is not None:
+                mn, mx, total, squares, nonfinite, inf = row
+                s.values = _json_stats(finish_moments(mn, mx, total, squares, nonfinite, inf, n))
+            else:
+                s.values = values
+            self._remember(key, s, t)
+        hexed, values = s.hex, s.values
+        if hexed is None or (output and values is None):
+            return None
+        dn = _DTYPE_NAMES.get(dtype) or records.dtype_name(dtype)
+        shape = list(size)
+        e: dict[str, Any] = {"slot": slot, "dtype": dn, "shape": shape, "device": "cpu", "digest": hexed}
+        if output:
+            e["stats"] = values
+        seen = self._seen
+        if len(seen) >= CACHE_ENTRIES:
+            seen.clear()
+        ref = s.ref
+        seen[id(t)] = (ref if ref is not None and ref() is t else weakref.ref(t), version, ptr, s, dn, size, shape)
         return e
 
     def entry(self, call: Call, slot: str, t: torch.Tensor, output: bool, *, fresh: bool = False,

@@ -379,3 +379,66 @@ def test_a_record_with_a_string_that_is_not_utf8_is_kept() -> None:
 
     line = records.encode({"v": 1, "kind": "op", "file": os.fsdecode(b"/x/tr\xffin.py"), "seq": 3})
     assert line.endswith(b"\n") and json.loads(line)["file"] == os.fsdecode(b"/x/tr\xffin.py")
+
+
+def _gpt_trace(env: dict[str, str]) -> list[dict]:  # type: ignore[type-arg]
+    from tests.capture.progs.zoo import TinyGPT
+
+    torch.manual_seed(0)
+    gpt = TinyGPT(vocab=17, width=16, layers=1, heads=2, seq=8)
+    opt = torch.optim.AdamW(gpt.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(1)
+    idx = torch.randint(0, 17, (2, 8), generator=g)
+    with oc.capture(env=env, buffer=8) as cap:
+        for _ in range(2):
+            opt.zero_grad(set_to_none=True)
+            loss = gpt(idx, torch.roll(idx, -1, 1))
+            loss.backward()
+            opt.step()
+    return ops(read_trace(cap.path))
+
+
+def test_non_contiguous_tensors_take_the_in_place_path_with_the_general_paths_values(
+        tmp_path: Path, hk, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    """Transposes and split parts (GPT's q/k/v) are read in place by ``Session._entry_strided``:
+    every entry of the trace (digest, statistics, reasons) equals the general path's."""
+    from opguard.capture import session
+
+    used = []
+    fast = session.Session._entry_strided
+
+    def counting(self, *a):  # type: ignore[no-untyped-def]
+        e = fast(self, *a)
+        used.append(e is not None)
+        return e
+    monkeypatch.setattr(session.Session, "_entry_strided", counting)
+    new = _gpt_trace({"OPGUARD_TRACE_OUTPUT_BASE": str(tmp_path / "n")})
+    assert sum(used) > 20  # the path was taken (transposes, split parts, their uses as inputs)
+    monkeypatch.setattr(session.Session, "_entry_strided", lambda *a: None)
+    old = _gpt_trace({"OPGUARD_TRACE_OUTPUT_BASE": str(tmp_path / "o")})
+    assert len(new) == len(old) > 60
+    for a, b in zip(new, old, strict=True):
+        assert (a["fn"], a["inputs"], a["outputs"]) == (b["fn"], b["inputs"], b["outputs"])
+
+
+@pytest.mark.parametrize("strided_path", [True, False])
+def test_an_in_place_change_of_strides_is_never_served_from_the_cache(
+        tmp_path: Path, hk, monkeypatch: pytest.MonkeyPatch, strided_path: bool) -> None:  # type: ignore[no-untyped-def]
+    """``y.t_()`` keeps the object, its data pointer, shape (square) and version: the next use of ``y``
+    is digested in its new element order, on the in-place path and on the general path alike."""
+    from opguard.capture import session
+
+    if not strided_path:
+        monkeypatch.setattr(session.Session, "_entry_strided", lambda *a: None)
+    x = torch.arange(16.0).reshape(4, 4)
+    with oc.capture(env={"OPGUARD_TRACE_OUTPUT_BASE": str(tmp_path)}) as cap:
+        y = x.add(0)
+        y.mul(1)  # y cached, same object
+        y.t_()
+        y.mul(1)
+        x.t().contiguous()
+    rec = {r["fn"]: r for r in ops(read_trace(cap.path)) if r["fn"] != "Tensor.mul"}
+    muls = [r for r in ops(read_trace(cap.path)) if r["fn"] == "Tensor.mul"]
+    assert muls[0]["inputs"][0]["digest"] == rec["Tensor.add"]["outputs"][0]["digest"]
+    assert muls[1]["inputs"][0]["digest"] == rec["Tensor.contiguous"]["outputs"][0]["digest"] != \
+        muls[0]["inputs"][0]["digest"]

@@ -226,6 +226,10 @@ def test_a_step_in_another_thread_leaves_this_threads_capture_alone(tmp_path: Pa
     op = ops(read_trace(cap.path))
     assert [r["fn"] for r in op if r["fn"] in ("Tensor.add", "Tensor.mul")] == ["Tensor.add", "Tensor.mul"]
     assert not any(r["api"] == "optimizer" for r in op)
+    # nor does it advance this thread's step (no marker, steps advance at this thread's Optimizer.step())
+    assert [r["step"] for r in op] == [0] * len(op)
+    meta = json.loads((cap.path / "meta.json").read_text())
+    assert meta["step_source"] == "none"
 
 
 def test_a_capture_that_ends_inside_a_step_leaves_no_mode_behind(tmp_path: Path) -> None:
