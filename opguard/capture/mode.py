@@ -164,7 +164,8 @@ class CaptureMode(TorchFunctionMode):
         except Exception as err:
             s.failed("recording", err)
             return via(func, args, kwargs)
-        if ((kind and (kind == records.METADATA or not self.noise)) or s.cap_reached or s.closed
+        if ((kind and (kind == records.METADATA or (kind == records.NOISE and not self.noise))) or s.cap_reached
+                or s.closed
                 or not (s.all_steps or s.step in s.options.steps)):  # not s.active, without the calls
             return via(func, args, kwargs)
         # only Python-level torch functions call other torch functions: re-enter the mode for them
@@ -218,6 +219,9 @@ class CaptureMode(TorchFunctionMode):
             if call is not None:
                 s.parents.pop()
         if call is None:
+            return result
+        if (kind == records.CONVERSION and not self.noise and not dump_out and args and result is args[0]
+                and s.drop(call)):  # a conversion that returned its input: it computed nothing (§3.5)
             return result
         try:
             if not s.cap_reached:

@@ -45,8 +45,16 @@ PROTOCOL_METHODS = frozenset({
     "__index__", "__bool__", "__int__", "__float__", "__complex__", "__nonzero__", "__contains__",
     "__array_wrap__", "__reversed__", "__getstate__", "__reduce__", "__copy__",
 })
+# Conversions that return their input itself when there is nothing to convert (``x.to(x.device)``,
+# ``x.float()`` of a float32 tensor, ``x.contiguous()`` of a contiguous one): such a call did no
+# computation, and its record is dropped unless ``record_noise`` (docs/capture.md §3.5). The test is
+# the result's identity, after the call: a conversion that made a new tensor is recorded.
+CONVERSION_METHODS = frozenset({
+    "to", "type_as", "contiguous", "cpu", "cuda", "float", "double", "half", "bfloat16", "int",
+    "long", "short", "char", "byte", "bool", "resolve_conj", "resolve_neg",
+})
 # Kinds returned by :func:`function_name`.
-RECORD, METADATA, NOISE = 0, 1, 2
+RECORD, METADATA, NOISE, CONVERSION = 0, 1, 2, 3
 # Ops whose output is uninitialised memory (``uninitialized: true`` on that output, docs/capture.md §3.7).
 UNINITIALIZED_FNS = frozenset({
     "torch.empty", "torch.empty_like", "torch.empty_strided", "torch.empty_permuted", "Tensor.new_empty",
@@ -60,7 +68,9 @@ _names: dict[Any, tuple[str, int]] = {}
 
 def function_name(func: Any) -> tuple[str, int]:
     """(qualified name, kind) for a function seen by the torch function mode: kind ``RECORD``,
-    ``METADATA`` (never recorded) or ``NOISE`` (recorded only with ``record_noise``)."""
+    ``METADATA`` (never recorded), ``NOISE`` (recorded only with ``record_noise``) or ``CONVERSION``
+    (a ``Tensor`` conversion method: its record is dropped when it returned its input, unless
+    ``record_noise``)."""
     try:
         hit = _names.get(func)
     except TypeError:  # unhashable callable
@@ -95,7 +105,7 @@ def _compute_name(func: Any) -> tuple[str, int]:
     head = qual.split(".", 1)[0]
     if head in ("TensorBase", "Tensor", "_TensorBase"):
         method = qual.split(".", 1)[1] if "." in qual else fname
-        return f"Tensor.{method}", _kind(method)
+        return f"Tensor.{method}", CONVERSION if method in CONVERSION_METHODS else _kind(method)
     if head == "_VariableFunctionsClass":
         return f"torch.{fname}", _kind(fname)
     module = getattr(func, "__module__", None) or "torch"

@@ -659,6 +659,17 @@ class Session:
         self.pending.append(call)
         return call
 
+    def drop(self, call: Call) -> bool:
+        """Forget ``call``, the last record begun (a conversion that returned its input): it is not
+        written and its ``seq`` is given to the next record. A record with records begun after it
+        is kept (False)."""
+        pending = self.pending
+        if pending and pending[-1] is call and self.seq == call.rec["seq"] + 1:
+            pending.pop()
+            self.seq -= 1
+            return True
+        return False
+
     def inputs(self, call: Call, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         ins = call.rec["inputs"]
         for slot, t in tensors:

@@ -393,3 +393,27 @@ def test_dead_cache_entry_is_not_served_to_a_new_tensor_at_the_same_address(out_
         assert printed == oc_digest(torch.zeros(16)) != oc_digest(torch.ones(16))
     finally:
         s.close()
+
+
+@pytest.mark.parametrize("noise", [False, True])
+def test_a_conversion_that_returned_its_input_is_not_recorded(tmp_path: Path, noise: bool) -> None:
+    """``x.to(x.device)``, ``x.float()`` of float32, ``x.contiguous()`` of a contiguous tensor return
+    ``x`` itself: no computation, no record (seq numbers stay contiguous); a conversion that made a
+    new tensor is recorded; ``record_noise`` records them all."""
+    x = torch.randn(4)
+    with oc.capture(env={"OPGUARD_TRACE_OUTPUT_BASE": str(tmp_path)}, record_noise=noise) as cap:
+        x.to("cpu")
+        x.float()
+        x.to(torch.float64)
+        x.contiguous()
+        x.view(2, 2).t().contiguous()
+        x.add(1)
+    op = ops(read_trace(cap.path))
+    assert [r["seq"] for r in op] == list(range(len(op)))
+    fns = [r["fn"] for r in op]
+    if noise:
+        assert fns == ["Tensor.to", "Tensor.float", "Tensor.to", "Tensor.contiguous", "Tensor.view", "Tensor.t",
+                       "Tensor.contiguous", "Tensor.add"]
+    else:
+        assert fns == ["Tensor.to", "Tensor.view", "Tensor.t", "Tensor.contiguous", "Tensor.add"]
+        assert op[0]["outputs"][0]["dtype"] == "float64"
