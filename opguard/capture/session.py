@@ -44,6 +44,21 @@ _DTYPE_NAMES = {d: str(d).removeprefix("torch.") for d in (
     torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16, torch.int8,
     torch.uint8, torch.bool)}
 CACHE_ENTRIES = 8192
+_live: weakref.WeakSet[Session] = weakref.WeakSet()  # the sessions of this process, for the fork hooks
+
+
+def _after_fork_in_child() -> None:
+    for s in list(_live):
+        s._forked_child()
+
+
+def _after_fork_in_parent() -> None:
+    for s in list(_live):
+        s._forked_parent()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child, after_in_parent=_after_fork_in_parent)
 ANY = object()  # an ``inflight`` entry matching its function with any arguments
 TRACE = f"{CAPTURE_DIRNAME}/{CAPTURE_TRACE_FILE}"
 
@@ -193,7 +208,29 @@ class Session:
         self.max_step = 0
         self.started_at = time.time()
         self.writer: JsonlWriter = open_jsonl(TRACE, rank=self.rank, env=environ, rotate_bytes=SEGMENT_BYTES)
+        self.pid = os.getpid()
+        self.forks = 0  # processes forked from this one while capturing (not captured)
         self._write_meta(final=False)
+        _live.add(self)
+
+    def _forked_child(self) -> None:
+        """In a process forked from this one (a DataLoader worker, ``os.fork``): record and write
+        nothing. The trace file, tables and meta are the parent's; the child's records would
+        interleave with its own under the same ``seq`` numbers. The mode stays on the child's stack
+        and passes every call through."""
+        self.closed = True
+        self.pending = []
+        self.quiet = None
+        try:
+            self.writer.close()  # the child's copy of the descriptor
+        except OSError:
+            pass
+
+    def _forked_parent(self) -> None:
+        if os.getpid() == self.pid and not self.closed:
+            self.forks += 1
+            self.note("processes forked from this rank while capturing (DataLoader workers with the fork start "
+                      "method, os.fork) are not captured: their calls are not in this trace (docs/capture.md §11)")
 
     # ---- selection --------------------------------------------------------------------------
     @property

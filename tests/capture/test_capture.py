@@ -417,3 +417,41 @@ def test_a_conversion_that_returned_its_input_is_not_recorded(tmp_path: Path, no
     else:
         assert fns == ["Tensor.to", "Tensor.view", "Tensor.t", "Tensor.contiguous", "Tensor.add"]
         assert op[0]["outputs"][0]["dtype"] == "float64"
+
+
+class _Items(torch.utils.data.Dataset):  # type: ignore[type-arg]
+    """Each item computed with torch ops (in the DataLoader worker)."""
+
+    def __len__(self) -> int:
+        return 600
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        g = torch.Generator().manual_seed(i)
+        return torch.randn(4, generator=g).mul(2.0).add(1.0)
+
+
+def _load(n_workers: int) -> list[torch.Tensor]:
+    loader = torch.utils.data.DataLoader(_Items(), batch_size=4, num_workers=n_workers)
+    return [batch.sum(0) for batch in loader]
+
+
+def test_a_forked_dataloader_worker_writes_nothing_into_the_ranks_trace(tmp_path: Path) -> None:
+    """DataLoader workers (fork start method) inherit the capture: their calls run unrecorded, nothing
+    of theirs reaches the rank's trace (it would interleave under the same seq numbers); the rank's
+    meta says that forked processes are not captured; the program's results are unchanged."""
+    import multiprocessing
+
+    if multiprocessing.get_start_method(allow_none=True) not in (None, "fork"):
+        pytest.skip("the default start method here is not fork")
+    expected = _load(1)
+    with oc.capture(env={"OPGUARD_TRACE_OUTPUT_BASE": str(tmp_path)}) as cap:
+        got = _load(1)
+    assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
+    recs = read_trace(cap.path)
+    op = ops(recs)
+    assert len(op) >= 150  # the parent's batch.sum(0) calls and the loader's own
+    assert len({r["seq"] for r in op}) == len(op)
+    assert not any(r["func"] == "__getitem__" for r in op)
+    assert recs[-1]["kind"] == "end" and recs[-1]["records"] == len(recs) - 1
+    meta = json.loads((cap.path / "meta.json").read_text())
+    assert any("forked from this rank" in n for n in meta["notes"])
