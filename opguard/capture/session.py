@@ -74,6 +74,25 @@ def _dense(t: torch.Tensor) -> bool:
     return True
 
 
+FUNCTORCH_REASON = "torch.func wrapper: no storage of its own"
+_is_functorch_wrapped = getattr(getattr(torch._C, "_functorch", None), "is_functorch_wrapped_tensor", None)
+
+
+def _functorch_wrapper(t: torch.Tensor) -> bool:
+    try:
+        return bool(_is_functorch_wrapped is not None and _is_functorch_wrapped(t))
+    except Exception:
+        return False
+
+
+def _address(t: torch.Tensor) -> int | None:
+    """The data pointer, None for a tensor without storage (sparse, a torch.func wrapper)."""
+    try:
+        return int(t.data_ptr())
+    except (RuntimeError, NotImplementedError):
+        return None
+
+
 class _Ref(weakref.ref):  # type: ignore[type-arg]
     """A weak reference to a summarised tensor that knows its cache key (no closure per entry);
     made as ``_Ref(t, callback)`` then ``.key`` set (no Python-level constructor: ~1 µs less)."""
@@ -585,7 +604,9 @@ class Session:
     def entry(self, call: Call, slot: str, t: torch.Tensor, output: bool, *, fresh: bool = False,
               uninitialized: bool = False) -> dict[str, Any]:
         if output and self._uninit and not uninitialized:
-            self._uninit.pop(t.data_ptr(), None)  # a recorded op wrote this memory: its content is a result now
+            ptr = _address(t)
+            if ptr is not None:
+                self._uninit.pop(ptr, None)  # a recorded op wrote this memory: its content is a result now
         if self.host_digest and not uninitialized and (output or not self._uninit or not self._still_uninitialized(t)):
             try:
                 fast = self._entry_fast(call, slot, t, output, fresh)
@@ -629,7 +650,10 @@ class Session:
     def _still_uninitialized(self, t: torch.Tensor) -> bool:
         """``t`` is (a view at the same address of) an uninitialised output not written since: the
         same version counter value (views share their base's counter)."""
-        hit = self._uninit.get(t.data_ptr())
+        ptr = _address(t)
+        if ptr is None:
+            return False
+        hit = self._uninit.get(ptr)
         if hit is None:
             return False
         ref, version = hit
@@ -645,7 +669,7 @@ class Session:
                 return False
         try:
             if base._version != version:
-                del self._uninit[t.data_ptr()]
+                del self._uninit[ptr]
                 return False
             return t._version == version
         except RuntimeError:  # an inference tensor at that address
@@ -670,6 +694,10 @@ class Session:
     def _summary_failed(self, err: Exception, t: torch.Tensor) -> str:
         """The entry's ``reason`` when digesting/summarising a tensor raised; said on stderr once per
         kind of failure (exception type and dtype), every entry keeps the reason."""
+        if _functorch_wrapper(t):  # inside torch.func's vmap / grad: a wrapper without storage of its own
+            self.note("tensors inside torch.func transforms (vmap, grad, jacrev, ...) are wrappers without storage "
+                      "of their own: their entries have no digest or statistics (reason 'torch.func wrapper')")
+            return FUNCTORCH_REASON
         reason = f"summary failed: {type(err).__name__}: {err}"[:300]
         key = (type(err).__name__, t.dtype)
         if key not in self._failures:

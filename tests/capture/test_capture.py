@@ -455,3 +455,37 @@ def test_a_forked_dataloader_worker_writes_nothing_into_the_ranks_trace(tmp_path
     assert recs[-1]["kind"] == "end" and recs[-1]["records"] == len(recs) - 1
     meta = json.loads((cap.path / "meta.json").read_text())
     assert any("forked from this rank" in n for n in meta["notes"])
+
+
+def test_torch_func_wrappers_and_sparse_tensors_are_entries_with_a_reason(
+        tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    """Tensors without storage of their own (torch.func's vmap/grad wrappers, sparse COO) once the
+    program has made an uninitialised tensor (capture then checks every output's address): every
+    record keeps all its entries, each says why it has no digest; nothing is reported as a failure."""
+    from torch.func import grad, vmap
+
+    def f(w: torch.Tensor, xi: torch.Tensor) -> torch.Tensor:
+        return (xi @ w).sin().sum()
+
+    w, x = torch.randn(6, 3), torch.randn(5, 6)
+    want = vmap(grad(f), in_dims=(None, 0))(w, x)
+    with oc.capture(env={"OPGUARD_TRACE_OUTPUT_BASE": str(tmp_path)}) as cap:
+        torch.empty(3)
+        got = vmap(grad(f), in_dims=(None, 0))(w, x)
+        sp = torch.sparse_coo_tensor(torch.tensor([[0, 1], [1, 0]]), torch.tensor([1.0, 2.0]), (2, 2))
+        dense = sp @ torch.ones(2, 2)
+    assert torch.equal(got, want) and torch.equal(dense, torch.tensor([[1.0, 1.0], [2.0, 2.0]]))
+    op = ops(read_trace(cap.path))
+    assert not any("capture_error" in r for r in op)
+    sin = next(r for r in op if r["fn"] == "Tensor.sin")
+    why = "torch.func wrapper: no storage of its own"
+    assert [(e["slot"], e["digest"], e["reason"]) for e in sin["inputs"] + sin["outputs"]] == [
+        ("self", None, why), ("out", None, why)]
+    coo = next(r for r in op if r["fn"] == "torch.sparse_coo_tensor")
+    assert [e["slot"] for e in coo["inputs"]] == ["arg0", "arg1"] and all(e["digest"] for e in coo["inputs"])
+    assert coo["outputs"][0]["reason"] == "layout torch.sparse_coo"
+    mm = next(r for r in op if r["fn"] == "Tensor.matmul" and r["inputs"][0].get("reason") == "layout torch.sparse_coo")
+    assert mm["outputs"][0]["digest"]
+    assert "failed" not in capfd.readouterr().err
+    meta = json.loads((cap.path / "meta.json").read_text())
+    assert any("torch.func transforms" in n for n in meta["notes"])
