@@ -25,7 +25,7 @@ from typing import IO, Any
 from orjson import loads as orjson_loads
 
 from opguard.compare.diff import MISMATCH, OK, UNALIGNED, Diff, diff_pair
-from opguard.compare.linemap import assign_identities
+from opguard.compare.linemap import NO_COUNTERPART, assign_identities
 from opguard.compare.opevents import OpEncoder
 from opguard.compare.pairing import FUNCTION_DIFFERS, NO_ANCHOR, NO_CORRESPONDING_FILE, Pairing, pair_streams
 from opguard.compare.perfetto_export import ROW_NS, ExportWriter
@@ -281,6 +281,7 @@ class _Chunk:
     uninitialized: int = 0
     last_unresolved: str | None = None
     first_unresolved: str | None = None
+    first_new_b: str | None = None
     shown: list[dict[str, Any]] = field(default_factory=list)
     slices: int = 0
     flows: int = 0
@@ -548,6 +549,8 @@ def _run_rows(job: _Job, r0: int, r1: int, writer: ExportWriter) -> _Chunk:
         out.last_unresolved = f"run {side.run} {site.function} at {loc} ({side.rid(k).decode()}, {reason})"
         if out.first_unresolved is None:
             out.first_unresolved = out.last_unresolved
+        if out.first_new_b is None and i < 0 and site.line_map == NO_COUNTERPART:
+            out.first_new_b = out.last_unresolved  # B's first operation on a line A does not have
         if pairs_out is not None:
             pairs_out.write(json.dumps({**head, "row": row, "status": UNALIGNED, "reason": reason,
                                         side.run.lower(): _op_json(side, x, k)}) + "\n")
@@ -683,6 +686,7 @@ def _compare_stream(writer: ExportWriter, sa: Stream, sb: Stream, tracks: tuple[
         unresolved += c.unresolved
         last_unresolved = c.last_unresolved or last_unresolved
         summ.first_unresolved = summ.first_unresolved or c.first_unresolved
+        summ.first_new_b = summ.first_new_b or c.first_new_b
     return n
 
 

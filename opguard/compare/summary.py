@@ -75,6 +75,7 @@ class StreamSummary:
     inherited: int = 0
     uninitialized: int = 0      # entries marked uninitialized whose content differs (never compared)
     first_unresolved: str | None = None  # the first operation (in row order) that could not be paired
+    first_new_b: str | None = None  # B's first unpaired operation on a line with no counterpart in A
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -91,7 +92,8 @@ class StreamSummary:
                 "uninitialized_not_compared": self.uninitialized,
                 "first_divergence": self.first_divergence.as_json() if self.first_divergence else None,
                 "first_mismatch": self.first_mismatch.as_json() if self.first_mismatch else None,
-                "first_unresolved": self.first_unresolved, "notes": list(self.notes)}
+                "first_unresolved": self.first_unresolved, "first_new_in_b": self.first_new_b,
+                "notes": list(self.notes)}
 
 
 @dataclass
@@ -162,6 +164,8 @@ class Summary:
                              f"could not be paired, so the runs may differ there; the first: {s.first_unresolved}")
             elif s.pairs:
                 lines.append("  no divergence: every pair's compared fields agree")
+            if s.first_new_b is not None:  # a line only B has: what it computes is not in A at all
+                lines.append(f"  B's first operation on a line A does not have: {s.first_new_b}")
             if s.status["mismatch"]:
                 lines.append(f"  mismatches: {s.introduced} introduced, {s.inherited} inherited (inputs differ)")
             if s.first_mismatch is not None and fd is not None and s.first_mismatch.record_a != fd.record_a:
