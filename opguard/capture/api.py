@@ -52,6 +52,9 @@ class ModulePaths:
         self.paths: weakref.WeakKeyDictionary[torch.nn.Module, str] = weakref.WeakKeyDictionary()
         self.running: list[torch.nn.Module] = []
         self.handles: list[Any] = []
+        # module hooks are global, capture (its function mode) is the starting thread's: another
+        # thread's forward must not push onto this thread's module stack
+        self.thread = threading.get_ident()
         self.optimizer_steps: OptimizerSteps | None = None  # settled at each forward (optim.py)
 
     def path(self, m: torch.nn.Module) -> str:
@@ -70,7 +73,7 @@ class ModulePaths:
         return p
 
     def _pre(self, m: torch.nn.Module, args: Any) -> None:
-        if _compiling():  # Dynamo traces module hooks: capture's are invisible to it
+        if _compiling() or threading.get_ident() != self.thread:  # Dynamo: invisible to it; other threads
             return
         if self.session.quiet is not None and self.optimizer_steps is not None:
             self.optimizer_steps.settle()
@@ -85,7 +88,7 @@ class ModulePaths:
         self.running.append(m)
 
     def _post(self, m: torch.nn.Module, _args: Any, _out: Any) -> None:
-        if _compiling():
+        if _compiling() or threading.get_ident() != self.thread:
             return
         if self.running and self.running[-1] is m:
             self.running.pop()
@@ -115,6 +118,7 @@ class ModulePaths:
                "last bits from uncaptured inference)", warn=True)
 
     def install(self) -> None:
+        self.thread = threading.get_ident()
         self.handles = [nn_module.register_module_forward_pre_hook(self._pre),
                         nn_module.register_module_forward_hook(self._post, always_call=True)]
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import inspect
 import sys
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -43,7 +44,7 @@ ASYNC_ALWAYS = ("isend", "irecv")
 _no_modes = torch._C.DisableTorchFunction  # capture's own tensor reads skip the function mode
 
 
-def _wrap(session: Session, name: str, orig: Callable[..., Any]) -> Callable[..., Any]:
+def _wrap(session: Session, name: str, orig: Callable[..., Any], thread: int) -> Callable[..., Any]:
     sig = inspect.signature(orig)
     written, only_written = COLLECTIVES[name]
     fn = f"torch.distributed.{name}"
@@ -51,8 +52,8 @@ def _wrap(session: Session, name: str, orig: Callable[..., Any]) -> Callable[...
     @functools.wraps(orig)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         s = session
-        if not s.active or s.busy or torch.compiler.is_dynamo_compiling():
-            return orig(*args, **kwargs)
+        if not s.active or s.busy or torch.compiler.is_dynamo_compiling() or threading.get_ident() != thread:
+            return orig(*args, **kwargs)  # capture is the starting thread's (its records, its stacks)
         via = standin(sys._getframe(1))  # calls from a frame that reads as the caller's (frames.py)
         call = None
         try:
@@ -121,7 +122,7 @@ class Collectives:
             if orig is None or not callable(orig):
                 continue
             self.saved[name] = orig
-            setattr(dist, name, _wrap(self.session, name, orig))
+            setattr(dist, name, _wrap(self.session, name, orig, threading.get_ident()))
 
     def uninstall(self) -> None:
         for name, orig in self.saved.items():

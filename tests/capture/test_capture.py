@@ -489,3 +489,31 @@ def test_torch_func_wrappers_and_sparse_tensors_are_entries_with_a_reason(
     assert "failed" not in capfd.readouterr().err
     meta = json.loads((cap.path / "meta.json").read_text())
     assert any("torch.func transforms" in n for n in meta["notes"])
+
+
+def test_another_threads_module_forward_leaves_this_threads_module_paths_alone(tmp_path: Path) -> None:
+    """Module hooks are global; capture is the starting thread's. A forward running in another thread
+    (an EMA or evaluation thread) does not become the module of this thread's records."""
+    import threading
+
+    inside, release = threading.Event(), threading.Event()
+
+    class Slow(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            inside.set()
+            release.wait(30)
+            return x * 2
+
+    other, mine = Slow(), torch.nn.Linear(2, 2)
+    with oc.capture(env={"OPGUARD_TRACE_OUTPUT_BASE": str(tmp_path)}) as cap:
+        worker = threading.Thread(target=other, args=(torch.ones(2),))
+        worker.start()
+        assert inside.wait(30)
+        torch.ones(2).add(1)            # no module of this thread is running
+        mine(torch.ones(2))             # Linear
+        release.set()
+        worker.join(30)
+        torch.ones(2).mul(3)
+    op = ops(read_trace(cap.path))
+    mods = {r["fn"]: r["module"] for r in op if r["fn"] in ("Tensor.add", "torch.nn.functional.linear", "Tensor.mul")}
+    assert mods == {"Tensor.add": None, "torch.nn.functional.linear": "Linear", "Tensor.mul": None}
