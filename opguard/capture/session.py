@@ -86,11 +86,25 @@ def _functorch_wrapper(t: torch.Tensor) -> bool:
 
 
 def _address(t: torch.Tensor) -> int | None:
-    """The data pointer, None for a tensor without storage (sparse, a torch.func wrapper)."""
+    """The data pointer of a plain tensor with data; None for a tensor subclass, one without storage
+    (sparse, a torch.func wrapper) or without elements (address 0): uninitialised-memory marks
+    (§3.7) are kept by address, and such tensors have no memory of their own to mark."""
+    if type(t) is not _Tensor and type(t) is not _Parameter:
+        return None
     try:
-        return int(t.data_ptr())
+        ptr = int(t.data_ptr())
     except (RuntimeError, NotImplementedError):
         return None
+    return ptr or None
+
+
+def _dtensor_local(t: torch.Tensor) -> torch.Tensor | None:
+    """The local shard of a ``torch.distributed.tensor.DTensor`` (FSDP2, tensor parallel), else None."""
+    cls = type(t)
+    if cls.__name__ != "DTensor" or not cls.__module__.startswith("torch.distributed"):
+        return None
+    local = getattr(t, "_local_tensor", None)
+    return local if isinstance(local, torch.Tensor) else None
 
 
 class _Ref(weakref.ref):  # type: ignore[type-arg]
@@ -614,6 +628,14 @@ class Session:
                 fast = None
             if fast is not None:
                 return fast
+        if not uninitialized:
+            local = _dtensor_local(t)
+            if local is not None:  # a DTensor: its local shard's digest and statistics, the global shape
+                shard = self.entry(call, slot, local, output, fresh=fresh)
+                shard["shape"] = list(t.shape)
+                shard["local_shape"] = list(local.shape)
+                shard["placements"] = [str(p) for p in getattr(t, "placements", ())]
+                return shard
         e: dict[str, Any] = {"slot": slot, "dtype": records.dtype_name(t.dtype), "shape": list(t.shape),
                              "device": records.device_name(t.device), "digest": None}
         if uninitialized or (self._uninit and not output and self._still_uninitialized(t)):
@@ -640,8 +662,11 @@ class Session:
         return e
 
     def _mark_uninitialized(self, t: torch.Tensor) -> None:
+        ptr = _address(t)
+        if ptr is None:
+            return
         try:
-            self._uninit[t.data_ptr()] = (weakref.ref(t), t._version)
+            self._uninit[ptr] = (weakref.ref(t), t._version)
         except (TypeError, RuntimeError):  # not weakly referenceable; an inference tensor (no version counter)
             return
         while len(self._uninit) > CACHE_ENTRIES:  # bounded: the oldest marks go first

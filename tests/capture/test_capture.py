@@ -517,3 +517,35 @@ def test_another_threads_module_forward_leaves_this_threads_module_paths_alone(t
     op = ops(read_trace(cap.path))
     mods = {r["fn"]: r["module"] for r in op if r["fn"] in ("Tensor.add", "torch.nn.functional.linear", "Tensor.mul")}
     assert mods == {"Tensor.add": None, "torch.nn.functional.linear": "Linear", "Tensor.mul": None}
+
+
+def test_a_dtensor_is_summarised_by_its_local_shard(tmp_path: Path) -> None:
+    """FSDP2 and tensor parallelism hand the optimizer DTensors: the entry carries the local shard's
+    digest and statistics, the global shape, the local shape and the placements (a tensor subclass
+    had no digest at all, and an empty marked tensor at address 0 made it 'uninitialized memory')."""
+    dist = pytest.importorskip("torch.distributed")
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("torch.distributed with gloo is not available in this torch build")
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        p = torch.nn.Parameter(distribute_tensor(torch.arange(8.0).reshape(4, 2), mesh, [Shard(0)]))
+        p.grad = distribute_tensor(torch.ones(4, 2), mesh, [Shard(0)])
+        opt = torch.optim.SGD([p], lr=0.5)
+        with oc.capture(env={"OPGUARD_TRACE_OUTPUT_BASE": str(tmp_path / "t")}) as cap:
+            torch.empty(0)  # an uninitialised output at address 0
+            opt.step()
+        after = p.detach().to_local().clone()
+    finally:
+        dist.destroy_process_group()
+    step = next(r for r in ops(read_trace(cap.path)) if r["api"] == "optimizer")
+    ins = {e["slot"]: e for e in step["inputs"]}
+    w, g = ins["group0.params.0"], ins["group0.params.0.grad"]
+    assert w["digest"] == oc_digest(torch.arange(8.0).reshape(4, 2)) and g["digest"] == oc_digest(torch.ones(4, 2))
+    assert (w["shape"], w["local_shape"], w["placements"]) == ([4, 2], [4, 2], ["S(0)"])
+    assert "reason" not in w and "uninitialized" not in w
+    out = step["outputs"][0]
+    assert out["digest"] == oc_digest(after) and out["stats"]["max"] == 7.0 - 0.5
