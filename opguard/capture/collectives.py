@@ -12,6 +12,7 @@ import inspect
 import sys
 import threading
 from collections.abc import Callable
+from types import FunctionType
 from typing import Any
 
 import torch
@@ -39,14 +40,38 @@ COLLECTIVES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "barrier": ((), ()),
     "scatter": (("tensor",), ("tensor",)),
     "gather": (("gather_list",), ("gather_list",)),
+    "all_gather_single": (("output_tensor",), ("output_tensor",)),   # FSDP2's all-gather (torch >= 2.12)
+    "reduce_scatter_single": (("output",), ("output",)),             # FSDP2's reduce-scatter
+    "all_reduce_coalesced": (("tensors",), ()),
+    "all_gather_coalesced": (("output_tensor_lists",), ("output_tensor_lists",)),
 }
+
+
+def collectives() -> dict[str, tuple[tuple[str, ...], tuple[str, ...]]]:
+    """The collectives to wrap: :data:`COLLECTIVES`, and every other public function of
+    ``torch.distributed`` with an ``async_op`` parameter (one a later PyTorch adds): capture does not
+    know which of its tensors it writes, so every tensor parameter is summarised before the call
+    and again after it."""
+    out = {name: spec for name, spec in COLLECTIVES.items() if callable(getattr(dist, name, None))}
+    for name, fn in list(vars(dist).items()):
+        # type(), never an attribute of the object: reading one of a deprecated alias warns (reduce_op)
+        if name.startswith("_") or name in out or type(fn) is not FunctionType:
+            continue
+        try:
+            params = tuple(inspect.signature(fn).parameters)
+        except (TypeError, ValueError):
+            continue
+        if "async_op" in params:
+            out[name] = (params, ())
+    return out
 ASYNC_ALWAYS = ("isend", "irecv")
 _no_modes = torch._C.DisableTorchFunction  # capture's own tensor reads skip the function mode
 
 
-def _wrap(session: Session, name: str, orig: Callable[..., Any], thread: int) -> Callable[..., Any]:
+def _wrap(session: Session, name: str, orig: Callable[..., Any], thread: int,
+          spec: tuple[tuple[str, ...], tuple[str, ...]]) -> Callable[..., Any]:
     sig = inspect.signature(orig)
-    written, only_written = COLLECTIVES[name]
+    written, only_written = spec
     fn = f"torch.distributed.{name}"
 
     @functools.wraps(orig)
@@ -117,12 +142,10 @@ class Collectives:
     def install(self) -> None:
         if not dist.is_available():
             return
-        for name in COLLECTIVES:
-            orig = getattr(dist, name, None)
-            if orig is None or not callable(orig):
-                continue
+        for name, spec in collectives().items():
+            orig = getattr(dist, name)
             self.saved[name] = orig
-            setattr(dist, name, _wrap(self.session, name, orig, threading.get_ident()))
+            setattr(dist, name, _wrap(self.session, name, orig, threading.get_ident(), spec))
 
     def uninstall(self) -> None:
         for name, orig in self.saved.items():

@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -549,3 +550,45 @@ def test_a_dtensor_is_summarised_by_its_local_shard(tmp_path: Path) -> None:
     assert "reason" not in w and "uninitialized" not in w
     out = step["outputs"][0]
     assert out["digest"] == oc_digest(after) and out["stats"]["max"] == 7.0 - 0.5
+
+
+def test_fsdp2s_collectives_and_ones_capture_does_not_know_are_recorded_with_what_they_wrote(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``all_gather_single`` (FSDP2's all-gather) writes its output buffer: the record has the buffer
+    after the call, and the next use of the buffer is digested from what was written (not from the
+    cache of its uninitialised or earlier content). A collective capture has no table entry for
+    (any public ``torch.distributed`` function with ``async_op``) has every tensor argument before and
+    after the call."""
+    dist = pytest.importorskip("torch.distributed")
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("torch.distributed with gloo is not available in this torch build")
+    if not hasattr(dist, "all_gather_single"):
+        pytest.skip("this PyTorch has no torch.distributed.all_gather_single")
+
+    def future_collective(tensor: torch.Tensor, group: Any = None, async_op: bool = False) -> None:
+        tensor.mul_(3)  # stands in for a collective a later PyTorch adds
+
+    monkeypatch.setattr(dist, "future_collective", future_collective, raising=False)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        src = torch.arange(4.0)
+        with oc.capture(env={"OPGUARD_TRACE_OUTPUT_BASE": str(tmp_path / "t")}) as cap:
+            buf = torch.zeros(4)
+            buf.view(2, 2)                      # cached before the collective writes it
+            dist.all_gather_single(buf, src)
+            buf.view(2, 2)
+            t = torch.ones(2)
+            dist.future_collective(t)
+    finally:
+        dist.destroy_process_group()
+    op = ops(read_trace(cap.path))
+    ag = next(r for r in op if r["fn"] == "torch.distributed.all_gather_single")
+    assert ag["api"] == "collective" and [e["slot"] for e in ag["inputs"]] == ["input_tensor"]
+    assert ag["outputs"][0]["slot"] == "output_tensor" and ag["outputs"][0]["digest"] == oc_digest(src)
+    views = [r for r in op if r["fn"] == "Tensor.view"]
+    assert views[1]["inputs"][0]["digest"] == oc_digest(src) != views[0]["inputs"][0]["digest"]
+    assert not any(r["fn"].startswith("torch.distributed.distributed_c10d.") for r in op)
+    fc = next(r for r in op if r["fn"] == "torch.distributed.future_collective")
+    assert fc["api"] == "collective"
+    assert fc["inputs"][0]["digest"] == oc_digest(torch.ones(2))
+    assert fc["outputs"][0]["digest"] == oc_digest(torch.full((2,), 3.0))
