@@ -618,9 +618,12 @@ class Session:
     def entry(self, call: Call, slot: str, t: torch.Tensor, output: bool, *, fresh: bool = False,
               uninitialized: bool = False) -> dict[str, Any]:
         if output and self._uninit and not uninitialized:
-            ptr = _address(t)
-            if ptr is not None:
-                self._uninit.pop(ptr, None)  # a recorded op wrote this memory: its content is a result now
+            if self._unwritten_view(t):  # a view of unwritten memory (view, chunk, ...): still unwritten
+                uninitialized = True
+            else:
+                ptr = _address(t)
+                if ptr is not None:
+                    self._uninit.pop(ptr, None)  # a recorded op wrote this memory: its content is a result now
         if self.host_digest and not uninitialized and (output or not self._uninit or not self._still_uninitialized(t)):
             try:
                 fast = self._entry_fast(call, slot, t, output, fresh)
@@ -665,6 +668,9 @@ class Session:
         ptr = _address(t)
         if ptr is None:
             return
+        held = self._uninit.get(ptr)
+        if held is not None and held[0]() is not None and t._base is held[0]():
+            return  # a view at its base's address: the base's mark covers it (and outlives it)
         try:
             self._uninit[ptr] = (weakref.ref(t), t._version)
         except (TypeError, RuntimeError):  # not weakly referenceable; an inference tensor (no version counter)
@@ -680,7 +686,7 @@ class Session:
             return False
         hit = self._uninit.get(ptr)
         if hit is None:
-            return False
+            return self._unwritten_view(t)
         ref, version = hit
         base = ref()
         if base is None:
@@ -698,6 +704,26 @@ class Session:
                 return False
             return t._version == version
         except RuntimeError:  # an inference tensor at that address
+            return False
+
+    def _unwritten_view(self, t: torch.Tensor) -> bool:
+        """``t`` is a view (any offset: ``narrow``, ``chunk``, ``view``) of an uninitialised output
+        that nothing wrote since: its base is that output, alive, with the version it was marked at
+        (views share their base's counter, so a write through any of them moves it)."""
+        try:
+            base = t._base
+        except RuntimeError:
+            return False
+        if base is None:
+            return False
+        ptr = _address(base)
+        hit = self._uninit.get(ptr) if ptr is not None else None
+        if hit is None:
+            return False
+        ref, version = hit
+        try:
+            return ref() is base and base._version == version
+        except RuntimeError:  # an inference tensor
             return False
 
     def failed(self, stage: str, err: BaseException, call: Call | None = None) -> None:

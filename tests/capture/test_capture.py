@@ -592,3 +592,28 @@ def test_fsdp2s_collectives_and_ones_capture_does_not_know_are_recorded_with_wha
     assert fc["api"] == "collective"
     assert fc["inputs"][0]["digest"] == oc_digest(torch.ones(2))
     assert fc["outputs"][0]["digest"] == oc_digest(torch.full((2,), 3.0))
+
+
+def test_views_of_unwritten_memory_stay_uninitialized(tmp_path: Path) -> None:
+    """A view (``view``, ``narrow`` at an offset, ``chunk``) of a ``torch.empty`` output nothing wrote
+    is still whatever the allocator left: its output entry and its use as an input are marked, never
+    digested (two identical runs compared equal); after a write through the base it is content."""
+    with oc.capture(env={"OPGUARD_TRACE_OUTPUT_BASE": str(tmp_path)}) as cap:
+        b = torch.empty(8)
+        b.view(2, 4)
+        part = b.narrow(0, 4, 4)
+        part.add(1)
+        b.chunk(2)
+        b.fill_(1.0)
+        b.view(2, 4)
+    op = ops(read_trace(cap.path))
+    views = [r for r in op if r["fn"] == "Tensor.view"]
+    assert views[0]["outputs"][0]["uninitialized"] is True and views[0]["outputs"][0]["digest"] is None
+    nar = next(r for r in op if r["fn"] == "Tensor.narrow")
+    assert nar["outputs"][0]["uninitialized"] is True
+    add = next(r for r in op if r["fn"] == "Tensor.add")
+    assert add["inputs"][0]["uninitialized"] is True and add["outputs"][0]["digest"]
+    chunk = next(r for r in op if r["fn"] == "Tensor.chunk")
+    assert [e.get("uninitialized") for e in chunk["outputs"]] == [True, True]
+    after = views[1]["outputs"][0]
+    assert after["digest"] == oc_digest(torch.ones(8)) and "uninitialized" not in after
