@@ -533,20 +533,9 @@ class Session:
             return None
         hexed, values = s.hex, s.values
         if hexed is not None and (values is not None or not output):  # known now: written in, no fill
-            dn = _DTYPE_NAMES.get(dtype) or records.dtype_name(dtype)
-            size = t.shape
-            shape = list(size)
-            e: dict[str, Any] = {"slot": slot, "dtype": dn, "shape": shape, "device": "cpu", "digest": hexed}
-            if output:
-                e["stats"] = values
-            seen = self._seen
-            if len(seen) >= CACHE_ENTRIES:
-                seen.clear()
-            ref = s.ref
-            seen[id(t)] = (ref if ref is not None and ref() is t else weakref.ref(t), version, ptr, s, dn, size, shape)
-            return e
-        e = {"slot": slot, "dtype": _DTYPE_NAMES.get(dtype) or records.dtype_name(dtype),
-             "shape": list(t.shape), "device": "cpu", "digest": None}
+            return self._known(slot, t, s, dtype, t.shape, version, ptr, output)
+        e: dict[str, Any] = {"slot": slot, "dtype": _DTYPE_NAMES.get(dtype) or records.dtype_name(dtype),
+                             "shape": list(t.shape), "device": "cpu", "digest": None}
         if s.digest is None and hexed is None:
             e["reason"] = "digest mode none"
         if output:
@@ -600,14 +589,19 @@ class Session:
             else:
                 s.values = values
             self._remember(key, s, t)
-        hexed, values = s.hex, s.values
-        if hexed is None or (output and values is None):
+        if s.hex is None or (output and s.values is None):
             return None
+        return self._known(slot, t, s, dtype, size, version, ptr, output)
+
+    def _known(self, slot: str, t: torch.Tensor, s: _Summary, dtype: torch.dtype, size: torch.Size, version: int,
+               ptr: int, output: bool) -> dict[str, Any]:
+        """The entry of a CPU tensor whose summary is known now (digest, and statistics for an output:
+        nothing to fill at the flush), and ``t``'s same-object record for its next use as an input."""
         dn = _DTYPE_NAMES.get(dtype) or records.dtype_name(dtype)
         shape = list(size)
-        e: dict[str, Any] = {"slot": slot, "dtype": dn, "shape": shape, "device": "cpu", "digest": hexed}
+        e: dict[str, Any] = {"slot": slot, "dtype": dn, "shape": shape, "device": "cpu", "digest": s.hex}
         if output:
-            e["stats"] = values
+            e["stats"] = s.values
         seen = self._seen
         if len(seen) >= CACHE_ENTRIES:
             seen.clear()
