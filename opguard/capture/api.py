@@ -50,6 +50,9 @@ class ModulePaths:
     def __init__(self, session: Session) -> None:
         self.session = session
         self.paths: weakref.WeakKeyDictionary[torch.nn.Module, str] = weakref.WeakKeyDictionary()
+        # provisional paths: module -> (the parent it was resolved under, that parent's path then)
+        self.derived: weakref.WeakKeyDictionary[torch.nn.Module, tuple[Any, str | None]] = weakref.WeakKeyDictionary()
+        self.changes = 0  # paths assigned or changed (optimizer parameter names are rebuilt on a change)
         self.running: list[torch.nn.Module] = []
         self.handles: list[Any] = []
         # module hooks are global, capture (its function mode) is the starting thread's: another
@@ -58,18 +61,41 @@ class ModulePaths:
         self.optimizer_steps: OptimizerSteps | None = None  # settled at each forward (optim.py)
 
     def path(self, m: torch.nn.Module) -> str:
+        """``m``'s path: ``<root>.<name>...`` within the module running around it. A module first
+        called outside any forward (a parametrization runs once when ``weight_norm`` builds it) gets
+        its class name *provisionally*: it, and every path derived from it, is resolved again when it
+        runs under another parent, or its parent's path changed (``derived``)."""
+        return self._path(m, len(self.running) - 1)
+
+    def _path(self, m: torch.nn.Module, i: int) -> str:
+        """:meth:`path` of ``m`` running under ``self.running[i]`` (none: ``i`` < 0)."""
         p = self.paths.get(m)
+        parent = self.running[i] if i >= 0 else None
         if p is not None:
-            return p
-        if self.running:
-            parent = self.running[-1]
+            how = self.derived.get(m)
+            if how is None or (how[0] is parent and (parent is None or self.paths.get(parent) == how[1])):
+                return p
+        p = None
+        if parent is not None:
             for name, child in parent.named_modules():
                 if child is m and name:
-                    p = f"{self.path(parent)}.{name}"
+                    above = self._path(parent, i - 1)
+                    p = f"{above}.{name}"
+                    if parent in self.derived:
+                        self.derived[m] = (parent, above)
+                    else:
+                        self.derived.pop(m, None)
                     break
         if p is None:
-            p = _root_names.get(m) or type(m).__name__
-        self.paths[m] = p
+            named = _root_names.get(m)
+            p = named or type(m).__name__
+            if named is None and parent is None:
+                self.derived[m] = (None, None)
+            else:
+                self.derived.pop(m, None)
+        if self.paths.get(m) != p:
+            self.paths[m] = p
+            self.changes += 1
         return p
 
     def _pre(self, m: torch.nn.Module, args: Any) -> None:
@@ -138,7 +164,7 @@ class Capture:
         self.aten = AtenMode(self.session) if options.level == "dispatch" else None
         self.modules = ModulePaths(self.session)
         self.collectives = Collectives(self.session)
-        self.optimizer_steps = (OptimizerSteps(self.session, self.modules.paths, self.mode)
+        self.optimizer_steps = (OptimizerSteps(self.session, self.modules, self.mode)
                                 if options.optimizer == "step" else None)
         self.modules.optimizer_steps = self.optimizer_steps
         self._entered: list[Any] = []

@@ -98,10 +98,9 @@ class OpenStep:
 class OptimizerSteps:
     """The global step pre-/post-hooks of ``optimizer=step``."""
 
-    def __init__(self, session: Session, module_paths: weakref.WeakKeyDictionary[torch.nn.Module, str],
-                 mode: Any = None) -> None:
+    def __init__(self, session: Session, modules: Any, mode: Any = None) -> None:
         self.session = session
-        self.module_paths = module_paths
+        self.modules = modules  # api.ModulePaths: .paths (module -> path), .changes (bumped on every change)
         self.mode = mode  # capture's function mode: off the stack during a step when it is the innermost
         # capture records the thread that started it (torch function modes are per thread): a step
         # run by another thread is not this capture's, and must not silence this thread's calls
@@ -249,16 +248,16 @@ class OptimizerSteps:
 
     def _param_names(self, opt: Any) -> dict[int, str]:
         """id(parameter) -> ``<module path>.<name>`` over the modules that ran a forward (rebuilt when
-        more modules have run since; a tied parameter keeps the first path)."""
-        paths = self.module_paths
+        a module path was added or changed since; a tied parameter keeps the first path)."""
+        modules = self.modules
         known = self._names.get(opt)
-        if known is not None and known[0] == len(paths):
+        if known is not None and known[0] == modules.changes:
             return known[1]
         names: dict[int, str] = {}
-        for m, path in list(paths.items()):
+        for m, path in list(modules.paths.items()):
             for n, p in m.named_parameters(recurse=False):
                 names.setdefault(id(p), f"{path}.{n}")
-        self._names[opt] = (len(paths), names)
+        self._names[opt] = (modules.changes, names)
         return names
 
 

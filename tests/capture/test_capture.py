@@ -617,3 +617,26 @@ def test_views_of_unwritten_memory_stay_uninitialized(tmp_path: Path) -> None:
     assert [e.get("uninitialized") for e in chunk["outputs"]] == [True, True]
     after = views[1]["outputs"][0]
     assert after["digest"] == oc_digest(torch.ones(8)) and "uninitialized" not in after
+
+
+def test_a_module_first_called_outside_any_forward_gets_its_path_inside_its_parent(tmp_path: Path) -> None:
+    """``spectral_norm`` runs its parametrization once when it is built (no module running): that
+    first sight must not fix its path (and its child's) to the class name for the rest of the run;
+    the optimizer names its parameters by the path it has inside the model."""
+    from torch.nn.utils import parametrizations
+
+    torch.manual_seed(0)
+    with oc.capture(env={"OPGUARD_TRACE_OUTPUT_BASE": str(tmp_path)}) as cap:
+        model = torch.nn.Sequential(parametrizations.spectral_norm(torch.nn.Linear(3, 2)))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        torch.zeros(1)  # the end of construction
+        model(torch.ones(1, 3)).sum().backward()
+        opt.step()
+    op = ops(read_trace(cap.path))
+    mark = next(r["seq"] for r in op if r["fn"] == "torch.zeros")
+    built = {r["module"] for r in op if r["seq"] < mark and r["module"]}
+    assert built == {"ParametrizationList.0"}  # no module was running: the class name, for now
+    ran = {r["module"] for r in op if r["seq"] > mark and r["module"] and "arametriz" in r["module"]}
+    assert ran == {"Sequential.0.parametrizations.weight.0"}, ran
+    step = next(r for r in op if r["api"] == "optimizer")
+    assert "Sequential.0.parametrizations.weight.original" in [e["slot"] for e in step["inputs"]]
