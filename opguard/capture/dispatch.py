@@ -66,6 +66,7 @@ class AtenMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
         if not s.selected(name, s.module, s.context):
             return via(func, args, kwargs)
         call: Call | None = None
+        ins: list[tuple[str, torch.Tensor]] = []
         try:
             site = s.sites.lookup(sys._getframe(1))
             call = s.begin("aten", name, site, phase="backward" if node is not None else "forward")
@@ -76,7 +77,6 @@ class AtenMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
                     for k in ("file", "line", "func", "src", "site", "module"):
                         rec[k] = fwd[k]
             names = [a.name for a in func._schema.arguments]
-            ins: list[tuple[str, torch.Tensor]] = []
             xs: list[dict[str, Any]] = []
             for i, a in enumerate(args):
                 _split(a, names[i] if i < len(names) else f"arg{i}", ins, xs)
@@ -100,7 +100,13 @@ class AtenMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
             s.parents.pop()
         try:
             if not s.cap_reached:
-                s.outputs(call, list(tensors_in(result, "out")), uninitialized=name in records.UNINITIALIZED_FNS)
+                outs = list(tensors_in(result, "out"))
+                if name in records.UNINITIALIZED_FNS:
+                    s.outputs(call, outs, uninitialized=True)
+                else:  # an input object as output (in-place, out=): a write, digested from memory (§5.3)
+                    put = rec["outputs"].append
+                    for slot, t in outs:
+                        put(s.entry(call, slot, t, True, fresh=any(t is x for _, x in ins)))
         except Exception as err:
             s.failed("recording", err, call)
         s.maybe_flush_contained()

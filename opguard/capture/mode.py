@@ -171,6 +171,7 @@ class CaptureMode(TorchFunctionMode):
         # only Python-level torch functions call other torch functions: re-enter the mode for them
         reenter = self.nested and isinstance(func, pytypes.FunctionType)
         call: Call | None = None
+        ins: list[tuple[str, torch.Tensor]] = []
         dump_out = False
         try:
             modules, contexts = s.modules, s.contexts
@@ -226,19 +227,29 @@ class CaptureMode(TorchFunctionMode):
         try:
             if not s.cap_reached:
                 outs = [("out", result)] if type(result) is _Tensor else list(tensors_in(result, "out"))
+                if result is None and name == "Tensor.__setitem__" and args and isinstance(args[0], _Tensor):
+                    outs = [("self", args[0])]  # what the assignment wrote: self after the call (§3.1)
                 if name in _UNINITIALIZED_FNS:
                     s.outputs(call, outs, uninitialized=True)
                 else:  # s.outputs(call, outs), with entry()'s fast path tried here (one or two calls less)
                     entry, put = s.entry, call.rec["outputs"].append
                     fast = s._entry_fast if s.host_digest and not s._uninit else None
                     for slot, t in outs:
+                        # an input object as output (in-place, out=, __setitem__): a write, digested from
+                        # memory: a cached key can be another alias's (p.data has a version counter of
+                        # its own, whose value can equal p's) (docs/capture.md §5.3)
+                        wrote = False
+                        for _, x in ins:
+                            if x is t:
+                                wrote = True
+                                break
                         ent = None
                         if fast is not None:
                             try:
-                                ent = fast(call, slot, t, True, False)
+                                ent = fast(call, slot, t, True, wrote)
                             except Exception:  # entry() below says what failed
                                 ent = None
-                        put(ent if ent is not None else entry(call, slot, t, True))
+                        put(ent if ent is not None else entry(call, slot, t, True, fresh=wrote))
                 if dump_out:
                     s.dump(call.rec["seq"], [(f"{slot}", t) for slot, t in outs])
                 if self.on_output is not None:

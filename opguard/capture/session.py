@@ -107,6 +107,19 @@ def _dtensor_local(t: torch.Tensor) -> torch.Tensor | None:
     return local if isinstance(local, torch.Tensor) else None
 
 
+def _region(t: torch.Tensor, ptr: int) -> int:
+    """The address where ``t``'s storage starts (``ptr`` is ``t.data_ptr()``): the same for every alias
+    of that memory — views at any offset, and ``p.data`` / ``detach()``, which have a version counter
+    of their own (a write through ``p.data[i]`` leaves ``p._version`` as it was). Cache entries are
+    grouped by it, so a recorded write through any alias drops every other cached content of the
+    storage (:meth:`Session._wrote`)."""
+    try:
+        off = t.storage_offset()
+        return ptr - int(off) * t.element_size() if off else ptr
+    except Exception:  # no storage (a wrapper subclass): its own address
+        return ptr
+
+
 class _Ref(weakref.ref):  # type: ignore[type-arg]
     """A weak reference to a summarised tensor that knows its cache key (no closure per entry);
     made as ``_Ref(t, callback)`` then ``.key`` set (no Python-level constructor: ~1 µs less)."""
@@ -118,7 +131,7 @@ class _Ref(weakref.ref):  # type: ignore[type-arg]
 class _Summary:
     """Device-side results for one tensor content version (shared by every use of it)."""
 
-    __slots__ = ("dead", "digest", "hex", "n", "ref", "stats", "values")
+    __slots__ = ("dead", "digest", "hex", "n", "ref", "region", "stats", "values")
 
     def __init__(self, digest: torch.Tensor | None, stats: torch.Tensor | None, n: int) -> None:
         self.ref: _Ref | None = None  # the tensor it was computed for (see _remember)
@@ -128,6 +141,7 @@ class _Summary:
         self.hex: str | None = None  # the printed digest, once known (shared by every later use)
         self.values: dict[str, Any] | None = None  # the JSON statistics, once known
         self.dead = False  # dropped from the cache (its tensor died, or a write made it stale)
+        self.region = 0  # where its tensor's storage starts (_region): the group of _at it is in
 
     @property
     def has_digest(self) -> bool:
@@ -211,7 +225,7 @@ class Session:
         self._batch: list[bytes] | None = None  # encoded records of the flush in progress, not yet written
         self._batch_ops = 0  # op records among them
         self._cache: dict[tuple[Any, ...], _Summary] = {}
-        # data pointer -> the cache keys made at that address (dropped ones pruned lazily)
+        # storage start (_region) -> the cache keys of that storage's contents (dropped ones pruned lazily)
         self._at: dict[int, list[tuple[Any, ...]]] = {}
         # id(tensor) -> (weak ref, _version, data pointer, summary, dtype name, size, shape) of its last
         # finished entry: the same tensor object used again unchanged costs one lookup (_entry_fast)
@@ -310,8 +324,10 @@ class Session:
             key: tuple[Any, ...] = (t.data_ptr(), n, t.dtype, t.device, version)
         else:
             key = (t.data_ptr(), t.shape, t.stride(), t.dtype, t.device, version)
-        if want_stats and key[0] in self._at:  # an output: written at that address (see _wrote)
-            self._wrote(key[0], key)
+        if want_stats and self._at:  # an output: written in its storage (see _wrote)
+            region = _region(t, key[0])
+            if region in self._at:
+                self._wrote(region, key)
         s = None if fresh or n == 0 else self._lookup(key)
         if s is not None and (not want_stats or s.has_stats):
             return s
@@ -435,16 +451,20 @@ class Session:
             return  # not weakly referenceable: never reused
         ref.key = key
         s.ref = ref
+        s.region = region = _region(t, key[0])
         cache = self._cache
+        old = cache.get(key)
+        if old is not None and old is not s:  # content re-read at this key (a write): the old one is stale
+            old.dead = True  # for every same-object record holding it (_seen)
         cache[key] = s
-        at = self._at.get(key[0])  # the keys at this address: may hold dropped ones, pruned here
+        at = self._at.get(region)  # the keys of this storage: may hold dropped ones, pruned here
         if at is None:
             at_all = self._at
-            if len(at_all) > 4 * CACHE_ENTRIES:  # addresses of dead tensors only: rebuilt from the cache
+            if len(at_all) > 4 * CACHE_ENTRIES:  # storages of dead tensors only: rebuilt from the cache
                 self._at = at_all = {}
-                for k in cache:
-                    at_all.setdefault(k[0], []).append(k)
-            at_all[key[0]] = [key]
+                for k, known in cache.items():
+                    at_all.setdefault(known.region, []).append(k)
+            at_all[region] = [key]
         else:
             at.append(key)
             if len(at) > 8:
@@ -455,12 +475,13 @@ class Session:
     def _forget(self, key: tuple[Any, ...]) -> None:
         self._cache.pop(key).dead = True
 
-    def _wrote(self, ptr: int, key: tuple[Any, ...]) -> None:
-        """A recorded output was written at ``ptr`` (content version ``key``): every other cached
-        version at that address is stale. Views share their base's version counter, so a write
-        through one changes every key anyway; this catches writes through an alias with a counter
-        of its own (``p.data.mul_(...)``, which leaves ``p._version`` as it was)."""
-        at = self._at.get(ptr)
+    def _wrote(self, region: int, key: tuple[Any, ...]) -> None:
+        """A recorded output was written in the storage starting at ``region`` (content version
+        ``key``): every other cached content of that storage is stale. Views share their base's
+        version counter, so a write through one changes every key anyway; this catches writes
+        through an alias with a counter of its own, at any offset (``p.data.mul_(...)``,
+        ``p.data[i].fill_(...)``, ``p.data[i] = v``, which leave ``p._version`` as it was)."""
+        at = self._at.get(region)
         if at is not None:
             cache = self._cache
             for k in at:
@@ -468,7 +489,7 @@ class Session:
                     s = cache.pop(k, None)
                     if s is not None:
                         s.dead = True
-            self._at[ptr] = [key] if key in cache else []
+            self._at[region] = [key] if key in cache else []
 
     def _dead_entry(self, ref: _Ref) -> None:
         s = self._cache.get(ref.key)
@@ -505,8 +526,10 @@ class Session:
             return None
         ptr = t.data_ptr()
         key = (ptr, n, dtype, _CPU, version)
-        if output and ptr in self._at:
-            self._wrote(ptr, key)
+        if output and self._at:
+            region = _region(t, ptr)
+            if region in self._at:
+                self._wrote(region, key)
         s = None if fresh else self._cache.get(key)
         if s is not None and (s.ref is None or s.ref() is None):  # self._lookup(key), inline
             s = None
@@ -562,8 +585,10 @@ class Session:
         size = t.shape
         stride = t.stride()
         key = (ptr, size, stride, dtype, _CPU, version)
-        if output and ptr in self._at:
-            self._wrote(ptr, key)
+        if output and self._at:
+            region = _region(t, ptr)
+            if region in self._at:
+                self._wrote(region, key)
         s = None if fresh else self._cache.get(key)
         if s is not None and (s.ref is None or s.ref() is None):
             s = None

@@ -347,6 +347,44 @@ def test_a_write_through_data_is_never_served_the_stale_digest(out_env: dict[str
     assert muls[1]["inputs"][1]["digest"] == write["outputs"][0]["digest"] == oc_digest(torch.full((4,), 3.0))
 
 
+@pytest.mark.parametrize("kernel", ["native", "torch"])
+@pytest.mark.parametrize("write", ["fill_row", "setitem", "copy_column", "twice"])
+def test_a_write_through_data_at_an_offset_is_seen(out_env: dict[str, str], kernel: str, write: str) -> None:
+    """Writes through ``p.data`` into part of p's memory (a row, a column, an assignment): the alias
+    starts at another address than p, and its own version counter can reach the value of p's (the
+    keys then collide). Every such recorded write is a write into p's storage: p's next use is
+    digested from memory. Found on a script that edits parameter rows under ``no_grad``: the
+    linear's weight digest stayed the one before the edit (compare would miss the change)."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(4, 4)
+    x = torch.randn(2, 4)
+    expect = []
+    with oc.capture(env=out_env, host_kernel=kernel) as cap:
+        for i in range(3):
+            lin(x)
+            expect.append(oc_digest(lin.weight.detach().clone()))
+            with torch.no_grad():
+                if write == "fill_row":
+                    lin.weight.data[i].fill_(float(i))
+                elif write == "setitem":
+                    lin.weight.data[i] = float(i + 1)
+                elif write == "copy_column":
+                    lin.weight.data[:, i].copy_(torch.full((4,), 7.0))
+                else:  # the alias written twice: its counter passes the value of p's
+                    d = lin.weight.data
+                    d[i].add_(1.0)
+                    d[i].add_(1.0)
+        lin(x)
+        expect.append(oc_digest(lin.weight.detach().clone()))
+    recs = ops(read_trace(cap.path))
+    got = [r["inputs"][1]["digest"] for r in recs if r["fn"] == "torch.nn.functional.linear"]
+    assert got == expect and len(set(expect)) == 4
+    if write == "setitem":  # the assignment's record says what it wrote
+        sets = [r for r in recs if r["fn"] == "Tensor.__setitem__"]
+        assert [r["outputs"][0]["slot"] for r in sets] == ["self"] * 3
+        assert [r["outputs"][0]["digest"] for r in sets] == expect[1:]
+
+
 def test_the_same_tensor_used_again_gets_its_current_shape_and_content(out_env: dict[str, str]) -> None:
     """The same tensor object used again unchanged costs one lookup (Session._seen); a reshape
     through ``.data`` (same memory, same version) and a swap of ``.data`` are seen."""
