@@ -76,6 +76,7 @@ def input_slots(args: Sequence[Any], kwargs: Mapping[str, Any], method: bool) ->
 _Tensor, _Parameter = torch.Tensor, torch.nn.Parameter
 _names_get = records._names.get
 _UNINITIALIZED_FNS = records.UNINITIALIZED_FNS
+_SHARES_MEMORY = records.SHARES_MEMORY_FNS
 _isfinite = math.isfinite
 
 
@@ -164,6 +165,11 @@ class CaptureMode(TorchFunctionMode):
         except Exception as err:
             s.failed("recording", err)
             return via(func, args, kwargs)
+        if name in _SHARES_MEMORY and args:  # t.numpy(), np.asarray(t): numpy can write t's memory now (§5.3)
+            try:
+                s.shared(args[0])
+            except Exception as err:
+                s.failed("recording", err)
         if ((kind and (kind == records.METADATA or (kind == records.NOISE and not self.noise))) or s.cap_reached
                 or s.closed
                 or not (s.all_steps or s.step in s.options.steps)):  # not s.active, without the calls

@@ -63,6 +63,11 @@ UNINITIALIZED_FNS = frozenset({
     "aten::new_empty_strided.default", "aten::empty_permuted.default",
 })
 
+# Calls after which ``self``'s memory can be written by something that is not a torch op (the numpy
+# array or DLPack consumer now sharing it): its contents are never served from the digest cache
+# again (docs/capture.md §5.3).
+SHARES_MEMORY_FNS = frozenset({"Tensor.numpy", "Tensor.__array__", "Tensor.__dlpack__"})
+
 _names: dict[Any, tuple[str, int]] = {}
 
 

@@ -248,6 +248,9 @@ class Session:
         self._stage_failures: dict[tuple[str, str], int] = {}  # (stage, exception type) -> count
         # outputs of uninitialised-memory ops not written since: data_ptr -> (weak ref, _version)
         self._uninit: dict[int, tuple[weakref.ref[torch.Tensor], int]] = {}
+        # storage start (_region) -> the tensor seen sharing that memory outside torch (numpy, DLPack):
+        # its contents are never cached (shared())
+        self._shared: dict[int, weakref.ref[torch.Tensor]] = {}
         self.step_source = "none"  # "marker" once step() was called, "optimizer" once Optimizer.step advanced it
         self.notes: list[str] = []
         self.fast_path_off: list[str] = []
@@ -452,6 +455,9 @@ class Session:
         ref.key = key
         s.ref = ref
         s.region = region = _region(t, key[0])
+        if self._shared and region in self._shared:  # memory others can write: read again at every use
+            s.dead = True
+            return
         cache = self._cache
         old = cache.get(key)
         if old is not None and old is not s:  # content re-read at this key (a write): the old one is stale
@@ -490,6 +496,28 @@ class Session:
                     if s is not None:
                         s.dead = True
             self._at[region] = [key] if key in cache else []
+
+    def shared(self, t: Any) -> None:
+        """``t`` now shares its memory with something outside torch (a numpy array, a DLPack consumer),
+        which can write it without a version change: its storage's cached contents are dropped, and
+        nothing in it is cached again (every use is digested from memory). Bounded: dead tensors'
+        storages are pruned, the oldest go first."""
+        ptr = _address(t) if isinstance(t, torch.Tensor) else None
+        if ptr is None:
+            return
+        region = _region(t, ptr)
+        try:
+            self._shared[region] = weakref.ref(t)
+        except TypeError:
+            return
+        for k in self._at.pop(region, None) or ():
+            s = self._cache.pop(k, None)
+            if s is not None:
+                s.dead = True
+        if len(self._shared) > CACHE_ENTRIES:
+            self._shared = {r: ref for r, ref in self._shared.items() if ref() is not None}
+            while len(self._shared) > CACHE_ENTRIES:
+                del self._shared[next(iter(self._shared))]
 
     def _dead_entry(self, ref: _Ref) -> None:
         s = self._cache.get(ref.key)

@@ -385,6 +385,25 @@ def test_a_write_through_data_at_an_offset_is_seen(out_env: dict[str, str], kern
         assert [r["outputs"][0]["digest"] for r in sets] == expect[1:]
 
 
+@pytest.mark.parametrize("share", ["numpy", "asarray"])
+def test_a_tensor_shared_with_numpy_is_digested_at_every_use(out_env: dict[str, str], share: str) -> None:
+    """A reused input buffer refilled by numpy (``arr = buf.numpy()``; ``arr[:] = batch``) changes
+    without a version change: once capture has seen the sharing call, the buffer's contents are
+    never served from the digest cache (before: every use had the first batch's digest)."""
+    import numpy as np
+
+    buf, w = torch.zeros(8), torch.ones(8)
+    with oc.capture(env=out_env) as cap:
+        arr = buf.numpy() if share == "numpy" else np.asarray(buf)
+        expect = []
+        for i in range(3):
+            arr[:] = i
+            torch.mul(buf, w)
+            expect.append(oc_digest(torch.full((8,), float(i))))
+    got = [r["inputs"][0]["digest"] for r in ops(read_trace(cap.path)) if r["fn"] == "torch.mul"]
+    assert got == expect and len(set(got)) == 3
+
+
 def test_the_same_tensor_used_again_gets_its_current_shape_and_content(out_env: dict[str, str]) -> None:
     """The same tensor object used again unchanged costs one lookup (Session._seen); a reshape
     through ``.data`` (same memory, same version) and a swap of ``.data`` are seen."""
