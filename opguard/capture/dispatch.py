@@ -101,6 +101,13 @@ class AtenMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
         try:
             if not s.cap_reached:
                 outs = list(tensors_in(result, "out"))
+                written = {a.name for a in func._schema.arguments if a.alias_info is not None and a.alias_info.is_write}
+                if written:  # every argument the op wrote is an output (some move no version counter)
+                    held = {id(t) for _, t in outs}
+                    for slot, t in ins:
+                        if slot.partition(".")[0] in written and id(t) not in held:
+                            outs.append((slot, t))
+                            held.add(id(t))
                 if name in records.UNINITIALIZED_FNS:
                     s.outputs(call, outs, uninitialized=True)
                 else:  # an input object as output (in-place, out=): a write, digested from memory (§5.3)

@@ -111,6 +111,20 @@ def _split(value: Any, slot: str, ts: list[tuple[str, torch.Tensor]], xs: list[d
         xs.append(records.arg_entry(slot, value))
 
 
+def _written_outputs(name: str, ins: list[tuple[str, torch.Tensor]], outs: list[tuple[str, Any]]) -> None:
+    """Add to ``outs`` the input tensors the in-place function ``name`` wrote (``records.written_slots``)
+    that its result does not already hold: written without a version change (``found_inf`` of
+    ``torch._amp_foreach_non_finite_check_and_unscale_``) or returned as nothing (§3.1)."""
+    written = records.written_slots(name)
+    if not written:
+        return
+    held = {id(t) for _, t in outs}
+    for slot, t in ins:
+        if (slot in written or slot.partition(".")[0] in written) and id(t) not in held:
+            outs.append((slot, t))
+            held.add(id(t))
+
+
 def split_args(args: Sequence[Any], kwargs: Mapping[str, Any], method: bool
                ) -> tuple[list[tuple[str, torch.Tensor]], list[dict[str, Any]]]:
     """(tensor slots, non-tensor ``args`` entries) of one call, in argument order."""
@@ -235,6 +249,8 @@ class CaptureMode(TorchFunctionMode):
                 outs = [("out", result)] if type(result) is _Tensor else list(tensors_in(result, "out"))
                 if result is None and name == "Tensor.__setitem__" and args and isinstance(args[0], _Tensor):
                     outs = [("self", args[0])]  # what the assignment wrote: self after the call (§3.1)
+                elif name[-1] == "_" and ins:  # an in-place function: every argument it wrote is an output
+                    _written_outputs(name, ins, outs)
                 if name in _UNINITIALIZED_FNS:
                     s.outputs(call, outs, uninitialized=True)
                 else:  # s.outputs(call, outs), with entry()'s fast path tried here (one or two calls less)

@@ -90,6 +90,34 @@ def function_name(func: Any) -> tuple[str, int]:
     return name, meta
 
 
+_written: dict[str, frozenset[str]] = {}
+
+
+def written_slots(name: str) -> frozenset[str]:
+    """The argument slots (§3.3: ``self`` / ``arg<i>`` / keyword) that the in-place function ``name``
+    (``torch.X_`` / ``Tensor.X_``) writes, from the ``alias_info.is_write`` of its ATen schemas (every
+    overload): e.g. ``torch._amp_foreach_non_finite_check_and_unscale_`` writes ``arg0`` (the
+    gradients) and ``arg1`` (``found_inf``), returns nothing and moves no version counter. Empty
+    when the name has no ATen op."""
+    hit = _written.get(name)
+    if hit is not None:
+        return hit
+    owner, _, op = name.partition(".")
+    slots: set[str] = set()
+    try:
+        packet = getattr(torch.ops.aten, op)
+        for overload in packet.overloads():
+            for i, a in enumerate(getattr(packet, overload)._schema.arguments):
+                if a.alias_info is not None and a.alias_info.is_write:
+                    slots.add(a.name)  # passed by keyword
+                    if not a.kwarg_only:
+                        slots.add("self" if i == 0 and owner == "Tensor" else f"arg{i}")
+    except Exception:  # no such ATen op (a Python-level function): nothing known
+        slots.clear()
+    out = _written[name] = frozenset(slots)
+    return out
+
+
 def _kind(method: str) -> int:
     if method in METADATA_METHODS:
         return METADATA

@@ -404,6 +404,32 @@ def test_a_tensor_shared_with_numpy_is_digested_at_every_use(out_env: dict[str, 
     assert got == expect and len(set(got)) == 3
 
 
+@pytest.mark.parametrize("level", ["function", "dispatch"])
+def test_arguments_written_in_place_without_a_version_change_are_outputs(out_env: dict[str, str],
+                                                                         level: str) -> None:
+    """``torch._amp_foreach_non_finite_check_and_unscale_`` (GradScaler.unscale_, scaler.step) writes
+    the gradients and ``found_inf``, returns nothing and moves no version counter: before, it had no
+    outputs and every later use (the optimizer step record's gradients, ``found_inf.item()``) was
+    recorded with the scaled, pre-unscale digests. Every argument an in-place op's schema marks as
+    written is an output, digested from memory."""
+    g = torch.tensor([0.0, 1.0, 2.0, float("inf")])
+    found_inf, inv_scale = torch.zeros(1), torch.full((1,), 0.25)
+    with oc.capture(env=out_env, level=level) as cap:
+        torch.neg(g)
+        torch.neg(found_inf)
+        torch._amp_foreach_non_finite_check_and_unscale_([g], found_inf, inv_scale)
+        assert g._version == found_inf._version == 0  # the hazard: the cache keys are unchanged
+        torch.neg(g)
+        torch.neg(found_inf)
+    recs = [r for r in ops(read_trace(cap.path)) if r["depth"] == 0]
+    negs = [r["inputs"][0]["digest"] for r in recs if r["fn"] == "torch.neg"]
+    after = oc_digest(torch.tensor([0.0, 0.25, 0.5, float("inf")]))
+    assert negs == [oc_digest(torch.tensor([0.0, 1.0, 2.0, float("inf")])), oc_digest(torch.zeros(1)),
+                    after, oc_digest(torch.ones(1))]
+    unscale = next(r for r in recs if r["fn"] == "torch._amp_foreach_non_finite_check_and_unscale_")
+    assert [(e["slot"], e["digest"]) for e in unscale["outputs"]] == [("arg0.0", after), ("arg1", negs[3])]
+
+
 def test_the_same_tensor_used_again_gets_its_current_shape_and_content(out_env: dict[str, str]) -> None:
     """The same tensor object used again unchanged costs one lookup (Session._seen); a reshape
     through ``.data`` (same memory, same version) and a swap of ``.data`` are seen."""
