@@ -73,7 +73,8 @@ class ModulePaths:
         parent = self.running[i] if i >= 0 else None
         if p is not None:
             how = self.derived.get(m)
-            if how is None or (how[0] is parent and (parent is None or self.paths.get(parent) == how[1])):
+            if (how is None or (parent is None and how[0] is not None)  # called on its own: keeps its path
+                    or (how[0] is parent and (parent is None or self.paths.get(parent) == how[1]))):
                 return p
         p = None
         if parent is not None:

@@ -221,6 +221,7 @@ class OptimizerSteps:
         """(slot, value) of every setting, parameter, gradient and state value the step reads."""
         names = self._param_names(opt)
         state = opt.state
+        used: dict[str, int] = {}
         for g, group in enumerate(opt.param_groups):
             for k, v in group.items():
                 if k != "params":
@@ -230,6 +231,10 @@ class OptimizerSteps:
                 if grad is None:  # not updated by this step
                     continue
                 slot = names.get(id(p)) or f"group{g}.params.{i}"
+                if slot in used:  # two root modules of one class (Linear.weight twice): made unique
+                    used[slot] += 1
+                    slot = f"{slot}#{used[slot]}"
+                used[slot] = 1
                 step.params.append((slot, p))
                 yield slot, p
                 yield f"{slot}.grad", grad
@@ -247,15 +252,21 @@ class OptimizerSteps:
         return outs
 
     def _param_names(self, opt: Any) -> dict[int, str]:
-        """id(parameter) -> ``<module path>.<name>`` over the modules that ran a forward (rebuilt when
-        a module path was added or changed since; a tied parameter keeps the first path)."""
+        """id(parameter) -> ``<module path>.<name>`` over the modules that ran a forward, then their
+        submodules that did not (``MultiheadAttention.out_proj``, whose weight the attention reads
+        directly) (rebuilt when a module path was added or changed since; a tied parameter keeps the
+        first path)."""
         modules = self.modules
         known = self._names.get(opt)
         if known is not None and known[0] == modules.changes:
             return known[1]
         names: dict[int, str] = {}
-        for m, path in list(modules.paths.items()):
+        ran = list(modules.paths.items())
+        for m, path in ran:
             for n, p in m.named_parameters(recurse=False):
+                names.setdefault(id(p), f"{path}.{n}")
+        for m, path in ran:  # parameters of submodules whose forward never runs (MultiheadAttention.out_proj)
+            for n, p in m.named_parameters():
                 names.setdefault(id(p), f"{path}.{n}")
         self._names[opt] = (modules.changes, names)
         return names

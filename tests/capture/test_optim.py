@@ -259,3 +259,63 @@ def test_compare_names_the_changed_learning_rate(tmp_path: Path) -> None:
     first = p.stderr.split("first divergence: ", 1)[1].splitlines()[0]
     assert first.startswith("torch.optim.AdamW.step at ") and "step 0" in first, first
     assert "group0.lr: 0.001 -> 0.002" in first, first
+
+
+def _step_slots(tmp: Path, build: Any) -> list[list[str]]:
+    """The parameter slots of every optimizer record of ``build()`` (SGD without momentum: no state)."""
+    with oc.capture(env={"OPGUARD_TRACE_OUTPUT_BASE": str(tmp)}) as cap:
+        build()
+    return [[e["slot"] for e in r["inputs"] if not e["slot"].endswith(".grad")]
+            for r in read_trace(cap.path) if r.get("api") == "optimizer"]
+
+
+def test_parameter_names_are_stable_complete_and_unique(tmp_path: Path) -> None:
+    """Optimizer record slots (§3.8), as a user's script exposed them: a submodule called on its own
+    after its parent's forward kept being renamed to its class (``Net.head.weight`` ->
+    ``Linear.weight``); ``MultiheadAttention.out_proj`` (whose forward never runs: the attention reads
+    its weight) had no name (``group0.params.2``); two root modules of one class gave the same slot
+    twice, and compare kept one of them."""
+    class Net(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.body, self.head = torch.nn.Linear(4, 4), torch.nn.Linear(4, 1)
+
+        def forward(self, x: Any) -> Any:
+            return self.head(self.body(x))
+
+    torch.manual_seed(0)
+    net, x = Net(), torch.randn(3, 4)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+
+    def outside() -> None:
+        for _ in range(2):
+            opt.zero_grad()
+            (net(x).sum() + net.head(torch.ones(1, 4)).sum()).backward()  # head called on its own too
+            opt.step()
+
+    expect = ["Net.body.weight", "Net.body.bias", "Net.head.weight", "Net.head.bias"]
+    assert _step_slots(tmp_path / "a", outside) == [expect, expect]
+
+    mha = torch.nn.MultiheadAttention(8, 2, batch_first=True)
+    opt2 = torch.optim.SGD(mha.parameters(), lr=0.1)
+    q = torch.randn(2, 3, 8)
+
+    def attention() -> None:
+        opt2.zero_grad()
+        mha(q, q, q)[0].sum().backward()
+        opt2.step()
+
+    got = _step_slots(tmp_path / "b", attention)
+    assert got == [["MultiheadAttention.in_proj_weight", "MultiheadAttention.in_proj_bias",
+                    "MultiheadAttention.out_proj.weight", "MultiheadAttention.out_proj.bias"]]
+
+    a, b = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+    opt3 = torch.optim.SGD([*a.parameters(), *b.parameters()], lr=0.1)
+
+    def two_roots() -> None:
+        opt3.zero_grad()
+        (a(torch.ones(1, 2)) + b(torch.ones(1, 2))).sum().backward()
+        opt3.step()
+
+    assert _step_slots(tmp_path / "c", two_roots) == [["Linear.weight", "Linear.bias", "Linear.weight#2",
+                                                       "Linear.bias#2"]]
