@@ -65,6 +65,7 @@ class _Index:
     site_ids: array[int] = field(default_factory=lambda: array("q"))   # capture: each operation's call site
     sites: list[RecordSite] = field(default_factory=list)
     inputs: array[int] = field(default_factory=lambda: array("Q"))   # captured-input key without the function
+    nested: bytearray | None = None        # capture: 1 for an operation made inside another recorded one (depth > 0)
 
 
 _MASK = (1 << 64) - 1
@@ -96,10 +97,11 @@ def _index_local(stream: Stream) -> tuple[list[str], _Index]:
         site_ids = array("q")
         sites: list[RecordSite] = []
         inputs = array("Q")
+        nested = bytearray()
         all_digests = _index_capture(stream, intern, keys, line_keys, anchors, coll, files, offsets, site_ids, sites,
-                                     inputs)
+                                     inputs, nested)
         return _table(intern), _Index(keys, line_keys, anchors, coll, all_digests, files, offsets, stream.dumps,
-                                      stream.notes, site_ids, sites, inputs)
+                                      stream.notes, site_ids, sites, inputs, nested)
     all_digests = True
     ref_ids = array("q")
     ref_sites: list[RecordSite] = []
@@ -139,7 +141,7 @@ _NO_SLOT = object()
 
 def _index_capture(stream: Stream, intern: dict[str, int], keys: array[int], line_keys: array[int],
                    anchors: array[int], coll: list[int], files: array[int], offsets: array[int],
-                   site_ids: array[int], site_list: list[RecordSite], inputs: array[int]) -> bool:
+                   site_ids: array[int], site_list: list[RecordSite], inputs: array[int], nested: bytearray) -> bool:
     """Pass 1 over a capture stream (Stream.index_fields, inlined for speed: the same keys and
     anchors, and each operation's call site for pass 2); returns whether every record has a
     source-line digest."""
@@ -186,6 +188,7 @@ def _index_capture(stream: Stream, intern: dict[str, int], keys: array[int], lin
         files.append(fi)
         offsets.append(off)
         site_ids.append(sid)
+        nested.append(1 if obj.get("depth") else 0)
     return all_digests
 
 
@@ -643,7 +646,8 @@ def _compare_stream(writer: ExportWriter, sa: Stream, sb: Stream, tracks: tuple[
         site_a, site_b = ([_intern(rel, f"{s.site}\x00{s.context}") for s in idx.sites] for idx in (ia, ib))
         pairing = pair_streams(ia.keys, ib.keys, ia.anchors, ib.anchors,
                                array("q", map(site_a.__getitem__, ia.site_ids)),
-                               array("q", map(site_b.__getitem__, ib.site_ids)), ia.inputs, ib.inputs)
+                               array("q", map(site_b.__getitem__, ib.site_ids)), ia.inputs, ib.inputs,
+                               ia.nested, ib.nested)
     summ.ops_a, summ.ops_b = len(ia.keys), len(ib.keys)
     summ.notes.extend([*(f"run A: {n}" for n in sa.notes), *(f"run B: {n}" for n in sb.notes)])
     rows_a, rows_b = pairing.row_arrays()

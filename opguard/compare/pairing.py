@@ -11,7 +11,8 @@ The rules, and nothing else (no similarity scores, no repair passes):
    sequences pair in order, basis ``between-anchors``; a segment that differs only in the function
    called at the same call sites pairs in order too when the first such call at each of those
    sites had equal captured inputs, the calls whose function differs with basis
-   ``function-differs``. Every other operation stays unresolved with a reason from :data:`REASONS`.
+   ``function-differs`` (tried on the top-level operations alone when the functions made
+   different nested calls). Every other operation stays unresolved with a reason from :data:`REASONS`.
 
 Keys and anchor keys are plain integers chosen by the caller (:mod:`opguard.compare.records`):
 this module never sees an output value or shape.
@@ -41,8 +42,9 @@ SEGMENT_DIFFERS = "segment-differs"
 NO_COUNTERPART_IN_SEGMENT = "no-counterpart-in-segment"
 ANCHOR_ORDER_CONFLICT = "anchor-order-conflict"
 REJECTED_BY_MAP = "rejected-by-alignment-map"
+NESTED_CALLS_DIFFER = "nested-calls-differ"
 REASONS = (NO_CORRESPONDING_FILE, SEGMENT_DIFFERS, NO_COUNTERPART_IN_SEGMENT, ANCHOR_ORDER_CONFLICT,
-           REJECTED_BY_MAP)
+           REJECTED_BY_MAP, NESTED_CALLS_DIFFER)
 
 NO_ANCHOR = 0
 
@@ -138,7 +140,7 @@ def _unique(anchors: Sequence[int]) -> dict[int, int]:
     return {key: i for key, i in last.items() if counts[key] == 1 and key != NO_ANCHOR}
 
 
-def _other_function(seg_a: range, seg_b: range, keys_a: Sequence[int], keys_b: Sequence[int],
+def _other_function(seg_a: Sequence[int], seg_b: Sequence[int], keys_a: Sequence[int], keys_b: Sequence[int],
                     sites_a: Sequence[int], sites_b: Sequence[int], inputs_a: Sequence[int],
                     inputs_b: Sequence[int], edited: set[int]) -> list[int] | None:
     """docs/compare.md §2 rule 5: a segment whose call-site keys differ only in the function, at
@@ -166,15 +168,59 @@ def _other_function(seg_a: range, seg_b: range, keys_a: Sequence[int], keys_b: S
     return differ
 
 
+def _top_level(seg_a: range, seg_b: range, keys_a: Sequence[int], keys_b: Sequence[int],
+               sites_a: Sequence[int], sites_b: Sequence[int], inputs_a: Sequence[int], inputs_b: Sequence[int],
+               nested_a: Sequence[int], nested_b: Sequence[int], edited: set[int], result: Pairing) -> bool:
+    """docs/compare.md §2 rule 5, nested calls set aside: a function that differs at a call site can
+    make other nested calls (``F.relu`` records a nested ``torch.relu``, ``F.gelu`` none), so the
+    segment's lengths differ. When the segment's *top-level* operations (depth 0) pair by rule 5,
+    they are paired; the nested operations after each paired operation (and before the first) pair
+    in order where their call-site keys are equal, else stay unresolved (``nested-calls-differ``).
+    False (nothing paired) when there is nothing nested to set aside or rule 5 does not apply."""
+    top_a = [i for i in seg_a if not nested_a[i]]
+    top_b = [j for j in seg_b if not nested_b[j]]
+    if not top_a or (len(top_a) == len(seg_a) and len(top_b) == len(seg_b)):
+        return False
+    differ = _other_function(top_a, top_b, keys_a, keys_b, sites_a, sites_b, inputs_a, inputs_b, edited)
+    if differ is None:
+        return False
+    a_to_b, b_to_a, basis_a = result.a_to_b, result.b_to_a, result.basis_a
+    for i, j in zip(top_a, top_b, strict=True):
+        a_to_b[i] = j
+        b_to_a[j] = i
+        basis_a[i] = BETWEEN_ANCHORS
+    for k in differ:
+        basis_a[top_a[k]] = FUNCTION_DIFFERS
+    # the nested runs: before the first top-level operation, then after each one
+    starts_a, starts_b = [seg_a.start - 1, *top_a], [seg_b.start - 1, *top_b]
+    ends_a, ends_b = [*top_a, seg_a.stop], [*top_b, seg_b.stop]
+    for a0, a1, b0, b1 in zip(starts_a, ends_a, starts_b, ends_b, strict=True):
+        run_a, run_b = range(a0 + 1, a1), range(b0 + 1, b1)
+        if len(run_a) == len(run_b) and all(keys_a[i] == keys_b[j] for i, j in zip(run_a, run_b, strict=True)):
+            for i, j in zip(run_a, run_b, strict=True):
+                a_to_b[i] = j
+                b_to_a[j] = i
+                basis_a[i] = BETWEEN_ANCHORS
+        else:
+            for i in run_a:
+                result.reason_a[i] = NESTED_CALLS_DIFFER
+            for j in run_b:
+                result.reason_b[j] = NESTED_CALLS_DIFFER
+    return True
+
+
 def pair_streams(keys_a: Sequence[int], keys_b: Sequence[int],
                  anchors_a: Sequence[int], anchors_b: Sequence[int],
                  sites_a: Sequence[int] | None = None, sites_b: Sequence[int] | None = None,
-                 inputs_a: Sequence[int] | None = None, inputs_b: Sequence[int] | None = None) -> Pairing:
+                 inputs_a: Sequence[int] | None = None, inputs_b: Sequence[int] | None = None,
+                 nested_a: Sequence[int] | None = None, nested_b: Sequence[int] | None = None) -> Pairing:
     """Pair two streams given their call-site keys and anchor keys (``NO_ANCHOR`` = none).
 
     ``sites_*`` (call-site keys without the function) and ``inputs_*`` (captured-input keys without
     the function, ``NO_ANCHOR`` = none), when given, let a segment whose function differs at the
-    same call site pair (basis ``function-differs``, :func:`_other_function`)."""
+    same call site pair (basis ``function-differs``, :func:`_other_function`); ``nested_*`` (1 for an
+    operation made inside another recorded one) let it pair by its top-level operations when the
+    functions that differ make different nested calls (:func:`_top_level`)."""
     na, nb = len(keys_a), len(keys_b)
     a_to_b = array("q", [-1]) * na
     b_to_a = array("q", [-1]) * nb
@@ -227,6 +273,10 @@ def pair_streams(keys_a: Sequence[int], keys_b: Sequence[int],
                     basis_a[i] = BETWEEN_ANCHORS
                 for k in differ:
                     basis_a[seg_a[k]] = FUNCTION_DIFFERS
+                continue
+            if nested_a is not None and nested_b is not None and _top_level(
+                    seg_a, seg_b, keys_a, keys_b, sites_a, sites_b, inputs_a, inputs_b, nested_a, nested_b, edited,
+                    result):
                 continue
         why = NO_COUNTERPART_IN_SEGMENT if (not seg_a or not seg_b) else SEGMENT_DIFFERS
         for i in seg_a:

@@ -247,3 +247,46 @@ def test_an_inherited_first_mismatch_after_unpaired_operations_names_the_first_u
     assert "no introduced divergence among the pairs" in err and "the first: torch.sum" in err, err
     first = err.split("the first unresolved operation: ", 1)[1].splitlines()[0]
     assert first.startswith("run A torch.nn.functional.gelu at ") and "segment-differs" in first, first
+
+
+_SWAP = """import torch
+import torch.nn.functional as F
+
+torch.manual_seed(0)
+w = torch.randn(4, 4)
+x = torch.randn(3, 4)
+for i in range(2):
+    h = x @ w
+    h = F.{act}(h)
+    x = torch.tanh(h)
+print(x.sum().item().hex())
+"""
+
+
+def test_a_swapped_function_with_other_nested_calls_is_the_divergence(tmp_path: Path) -> None:
+    """Real captures of a one-line swap ``F.relu(h)`` -> ``F.gelu(h)`` (opguard-run --capture): F.relu
+    records a nested torch.relu, F.gelu nothing, so the loop's segment has other lengths. It used to
+    end with 'no divergence among the 3 pairs, but 16 operations could not be paired'; now the
+    top-level calls pair (§2 rule 5, nested calls set aside) and the swap is the first divergence."""
+    import os
+    import subprocess
+
+    from tests.conftest import BIN
+
+    runs = {}
+    for run, act in (("a", "relu"), ("b", "gelu")):
+        src = tmp_path / f"src_{run}" / "swap.py"
+        src.parent.mkdir()
+        src.write_text(_SWAP.format(act=act))
+        runs[run] = tmp_path / f"run_{run}"
+        env = dict(os.environ, OPGUARD_TRACE_OUTPUT_BASE=str(runs[run]), PATH=f"{BIN}{os.pathsep}{os.environ['PATH']}")
+        p = subprocess.run([str(BIN / "opguard-run"), "--capture", "python", str(src)], env=env,
+                           capture_output=True, text=True, timeout=300)
+        assert p.returncode == 0, p.stderr
+    p = run_compare(runs["a"], runs["b"], tmp_path / "v.pftrace", extra=["--json", str(tmp_path / "s.json")])
+    assert p.returncode == 0, p.stderr
+    fd = json.loads((tmp_path / "s.json").read_text())["ranks"][0]["first_divergence"]
+    assert (fd["kind"], fd["function"], fd["function_b"]) == \
+        ("function differs", "torch.nn.functional.relu", "torch.nn.functional.gelu"), fd
+    assert fd["where"].endswith("swap.py:9"), fd
+    assert "undetermined in A: nested-calls-differ 2" in p.stderr, p.stderr

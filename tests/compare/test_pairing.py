@@ -104,6 +104,32 @@ def test_a_function_that_differs_at_the_same_call_site_pairs_when_its_inputs_are
     assert pair_streams(keys_a, keys_b, anchors_a, anchors_b).a_to_b[1] == -1
 
 
+def test_a_function_that_differs_with_other_nested_calls_pairs_by_its_top_level_operations() -> None:
+    """docs/compare.md §2 rule 5, nested calls set aside: A's function at site 20 makes a nested call
+    (key 91, depth 1: ``F.relu`` -> ``torch.relu``), B's none (``F.gelu``): the segment's lengths
+    differ, so rule 5 alone cannot pair it (it stayed segment-differs). The top-level operations
+    pair; the nested call has no counterpart (nested-calls-differ); the next step's nested calls
+    of an unchanged function (key 31 at site 30, nested 92) pair."""
+    from opguard.compare.pairing import FUNCTION_DIFFERS, NESTED_CALLS_DIFFER
+
+    keys_a, keys_b = [10, 21, 91, 30, 92, 10, 21, 91, 30, 92], [10, 22, 30, 92, 10, 22, 30, 92]
+    sites_a, sites_b = [10, 20, 20, 30, 30, 10, 20, 20, 30, 30], [10, 20, 30, 30, 10, 20, 30, 30]
+    nested_a, nested_b = [0, 0, 1, 0, 1, 0, 0, 1, 0, 1], [0, 0, 0, 1, 0, 0, 0, 1]
+    anchors_a, anchors_b = [7, 0, 0, 0, 0, 0, 0, 0, 0, 0], [7, 0, 0, 0, 0, 0, 0, 0]
+    inputs_a, inputs_b = [7, 5, 5, 6, 6, 8, 9, 9, 3, 3], [7, 5, 6, 6, 18, 19, 13, 13]
+    p = pair_streams(keys_a, keys_b, anchors_a, anchors_b, sites_a, sites_b, inputs_a, inputs_b)
+    assert list(p.a_to_b) == [0] + [-1] * 9 and p.reason_a[1] == SEGMENT_DIFFERS  # without depth: as before
+    p = pair_streams(keys_a, keys_b, anchors_a, anchors_b, sites_a, sites_b, inputs_a, inputs_b, nested_a, nested_b)
+    assert list(p.a_to_b) == [0, 1, -1, 2, 3, 4, 5, -1, 6, 7]
+    assert [p.basis_a[i] for i in (1, 6)] == [FUNCTION_DIFFERS, FUNCTION_DIFFERS]
+    assert [p.basis_a[i] for i in (3, 4, 5, 8, 9)] == [BETWEEN_ANCHORS] * 5
+    assert p.reason_a[2] == p.reason_a[7] == NESTED_CALLS_DIFFER
+    # where the function first differs its inputs differ too: nothing established, nothing paired
+    p = pair_streams(keys_a, keys_b, anchors_a, anchors_b, sites_a, sites_b, inputs_a,
+                     [7, 4, 6, 6, 18, 19, 13, 13], nested_a, nested_b)
+    assert list(p.a_to_b) == [0] + [-1] * 9 and p.reason_a[1] == SEGMENT_DIFFERS
+
+
 @pytest.mark.parametrize(("anchors", "expected"), [
     ([5, NO_ANCHOR, 7, 5, NO_ANCHOR, 9], {7: 2, 9: 5}),      # a repeated key is no anchor
     ([3, NO_ANCHOR, 4, NO_ANCHOR], {3: 0, 4: 2}),            # every key distinct: the fast path
