@@ -27,7 +27,14 @@ from orjson import loads as orjson_loads
 from opguard.compare.diff import MISMATCH, OK, UNALIGNED, Diff, diff_pair
 from opguard.compare.linemap import NO_COUNTERPART, assign_identities
 from opguard.compare.opevents import OpEncoder
-from opguard.compare.pairing import FUNCTION_DIFFERS, NO_ANCHOR, NO_CORRESPONDING_FILE, Pairing, pair_streams
+from opguard.compare.pairing import (
+    FUNCTION_DIFFERS,
+    NO_ANCHOR,
+    NO_CORRESPONDING_FILE,
+    NOT_IN_OTHER_SEGMENT,
+    Pairing,
+    pair_streams,
+)
 from opguard.compare.perfetto_export import ROW_NS, ExportWriter
 from opguard.compare.records import Record, RecordSite, Slot
 from opguard.compare.sources import KIND_CAPTURE, Run, Stream, open_run
@@ -552,8 +559,8 @@ def _run_rows(job: _Job, r0: int, r1: int, writer: ExportWriter) -> _Chunk:
         out.last_unresolved = f"run {side.run} {site.function} at {loc} ({side.rid(k).decode()}, {reason})"
         if out.first_unresolved is None:
             out.first_unresolved = out.last_unresolved
-        if out.first_new_b is None and i < 0 and site.line_map == NO_COUNTERPART:
-            out.first_new_b = out.last_unresolved  # B's first operation on a line A does not have
+        if out.first_new_b is None and i < 0 and (site.line_map == NO_COUNTERPART or reason == NOT_IN_OTHER_SEGMENT):
+            out.first_new_b = out.last_unresolved  # B's first operation A does not make (a new line, a new call)
         if pairs_out is not None:
             pairs_out.write(json.dumps({**head, "row": row, "status": UNALIGNED, "reason": reason,
                                         side.run.lower(): _op_json(side, x, k)}) + "\n")

@@ -12,7 +12,9 @@ The rules, and nothing else (no similarity scores, no repair passes):
    called at the same call sites pairs in order too when the first such call at each of those
    sites had equal captured inputs, the calls whose function differs with basis
    ``function-differs`` (tried on the top-level operations alone when the functions made
-   different nested calls). Every other operation stays unresolved with a reason from :data:`REASONS`.
+   different nested calls); a segment that pairs once the calls whose key the other side's
+   segment lacks are set aside pairs the rest in order. Every other operation stays unresolved
+   with a reason from :data:`REASONS`.
 
 Keys and anchor keys are plain integers chosen by the caller (:mod:`opguard.compare.records`):
 this module never sees an output value or shape.
@@ -43,8 +45,9 @@ NO_COUNTERPART_IN_SEGMENT = "no-counterpart-in-segment"
 ANCHOR_ORDER_CONFLICT = "anchor-order-conflict"
 REJECTED_BY_MAP = "rejected-by-alignment-map"
 NESTED_CALLS_DIFFER = "nested-calls-differ"
+NOT_IN_OTHER_SEGMENT = "not-in-other-segment"
 REASONS = (NO_CORRESPONDING_FILE, SEGMENT_DIFFERS, NO_COUNTERPART_IN_SEGMENT, ANCHOR_ORDER_CONFLICT,
-           REJECTED_BY_MAP, NESTED_CALLS_DIFFER)
+           REJECTED_BY_MAP, NESTED_CALLS_DIFFER, NOT_IN_OTHER_SEGMENT)
 
 NO_ANCHOR = 0
 
@@ -209,6 +212,33 @@ def _top_level(seg_a: range, seg_b: range, keys_a: Sequence[int], keys_b: Sequen
     return True
 
 
+def _one_sided(seg_a: range, seg_b: range, keys_a: Sequence[int], keys_b: Sequence[int], result: Pairing) -> bool:
+    """docs/compare.md §2 rule 6, calls only one run makes: set aside the operations whose call-site
+    key does not occur in the other run's segment at all (``x = h.sin()`` edited to ``x = h.sin() *
+    0.5``: B's ``Tensor.mul`` at that line); when the rest are equal key sequences they pair in
+    order (basis ``between-anchors``), and the set-aside ones stay unresolved
+    (``not-in-other-segment``). False (nothing paired) when nothing is one-sided or the rest differ."""
+    in_a = {keys_a[i] for i in seg_a}
+    in_b = {keys_b[j] for j in seg_b}
+    rest_a = [i for i in seg_a if keys_a[i] in in_b]
+    rest_b = [j for j in seg_b if keys_b[j] in in_a]
+    if (len(rest_a) == len(seg_a) and len(rest_b) == len(seg_b)) or not rest_a or len(rest_a) != len(rest_b):
+        return False
+    if any(keys_a[i] != keys_b[j] for i, j in zip(rest_a, rest_b, strict=True)):
+        return False
+    for i, j in zip(rest_a, rest_b, strict=True):
+        result.a_to_b[i] = j
+        result.b_to_a[j] = i
+        result.basis_a[i] = BETWEEN_ANCHORS
+    for i in seg_a:
+        if result.a_to_b[i] < 0:
+            result.reason_a[i] = NOT_IN_OTHER_SEGMENT
+    for j in seg_b:
+        if result.b_to_a[j] < 0:
+            result.reason_b[j] = NOT_IN_OTHER_SEGMENT
+    return True
+
+
 def pair_streams(keys_a: Sequence[int], keys_b: Sequence[int],
                  anchors_a: Sequence[int], anchors_b: Sequence[int],
                  sites_a: Sequence[int] | None = None, sites_b: Sequence[int] | None = None,
@@ -278,6 +308,8 @@ def pair_streams(keys_a: Sequence[int], keys_b: Sequence[int],
                     seg_a, seg_b, keys_a, keys_b, sites_a, sites_b, inputs_a, inputs_b, nested_a, nested_b, edited,
                     result):
                 continue
+        if seg_a and seg_b and _one_sided(seg_a, seg_b, keys_a, keys_b, result):
+            continue
         why = NO_COUNTERPART_IN_SEGMENT if (not seg_a or not seg_b) else SEGMENT_DIFFERS
         for i in seg_a:
             reason_a[i] = ANCHOR_ORDER_CONFLICT if i in conflict_a else why

@@ -75,7 +75,7 @@ class StreamSummary:
     inherited: int = 0
     uninitialized: int = 0      # entries marked uninitialized whose content differs (never compared)
     first_unresolved: str | None = None  # the first operation (in row order) that could not be paired
-    first_new_b: str | None = None  # B's first unpaired operation on a line with no counterpart in A
+    first_new_b: str | None = None  # B's first unpaired operation on a line A lacks, or a call A's segment lacks
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -165,7 +165,8 @@ class Summary:
             elif s.pairs:
                 lines.append("  no divergence: every pair's compared fields agree")
             if s.first_new_b is not None:  # a line only B has: what it computes is not in A at all
-                lines.append(f"  B's first operation on a line A does not have: {s.first_new_b}")
+                lines.append("  B's first operation A does not make (a line or a call A does not have): "
+                             f"{s.first_new_b}")
             if s.status["mismatch"]:
                 lines.append(f"  mismatches: {s.introduced} introduced, {s.inherited} inherited (inputs differ)")
             if s.first_mismatch is not None and fd is not None and s.first_mismatch.record_a != fd.record_a:

@@ -263,26 +263,32 @@ print(x.sum().item().hex())
 """
 
 
-def test_a_swapped_function_with_other_nested_calls_is_the_divergence(tmp_path: Path) -> None:
-    """Real captures of a one-line swap ``F.relu(h)`` -> ``F.gelu(h)`` (opguard-run --capture): F.relu
-    records a nested torch.relu, F.gelu nothing, so the loop's segment has other lengths. It used to
-    end with 'no divergence among the 3 pairs, but 16 operations could not be paired'; now the
-    top-level calls pair (§2 rule 5, nested calls set aside) and the swap is the first divergence."""
+def _captured_pair(tmp_path: Path, source_a: str, source_b: str) -> dict[str, Path]:
+    """Two real captures (opguard-run --capture python) of two versions of one script, ``swap.py``."""
     import os
     import subprocess
 
     from tests.conftest import BIN
 
     runs = {}
-    for run, act in (("a", "relu"), ("b", "gelu")):
+    for run, text in (("a", source_a), ("b", source_b)):
         src = tmp_path / f"src_{run}" / "swap.py"
         src.parent.mkdir()
-        src.write_text(_SWAP.format(act=act))
+        src.write_text(text)
         runs[run] = tmp_path / f"run_{run}"
         env = dict(os.environ, OPGUARD_TRACE_OUTPUT_BASE=str(runs[run]), PATH=f"{BIN}{os.pathsep}{os.environ['PATH']}")
         p = subprocess.run([str(BIN / "opguard-run"), "--capture", "python", str(src)], env=env,
                            capture_output=True, text=True, timeout=300)
         assert p.returncode == 0, p.stderr
+    return runs
+
+
+def test_a_swapped_function_with_other_nested_calls_is_the_divergence(tmp_path: Path) -> None:
+    """Real captures of a one-line swap ``F.relu(h)`` -> ``F.gelu(h)`` (opguard-run --capture): F.relu
+    records a nested torch.relu, F.gelu nothing, so the loop's segment has other lengths. It used to
+    end with 'no divergence among the 3 pairs, but 16 operations could not be paired'; now the
+    top-level calls pair (§2 rule 5, nested calls set aside) and the swap is the first divergence."""
+    runs = _captured_pair(tmp_path, _SWAP.format(act="relu"), _SWAP.format(act="gelu"))
     p = run_compare(runs["a"], runs["b"], tmp_path / "v.pftrace", extra=["--json", str(tmp_path / "s.json")])
     assert p.returncode == 0, p.stderr
     fd = json.loads((tmp_path / "s.json").read_text())["ranks"][0]["first_divergence"]
@@ -290,3 +296,18 @@ def test_a_swapped_function_with_other_nested_calls_is_the_divergence(tmp_path: 
         ("function differs", "torch.nn.functional.relu", "torch.nn.functional.gelu"), fd
     assert fd["where"].endswith("swap.py:9"), fd
     assert "undetermined in A: nested-calls-differ 2" in p.stderr, p.stderr
+
+
+def test_a_line_edited_to_make_one_more_call_names_that_call(tmp_path: Path) -> None:
+    """Real captures, ``x = torch.tanh(h)`` -> ``x = torch.tanh(h) * 0.5`` (the line edited in place:
+    same identity, one more call). Every later operation stayed unpaired (segment-differs) and the
+    summary named A's matmul; now the rest pairs (§2 rule 6), B's Tensor.mul at that line is
+    unresolved (not-in-other-segment) and named as B's first operation A does not make."""
+    runs = _captured_pair(tmp_path, _SWAP.format(act="relu"),
+                          _SWAP.format(act="relu").replace("x = torch.tanh(h)", "x = torch.tanh(h) * 0.5"))
+    p = run_compare(runs["a"], runs["b"], tmp_path / "v.pftrace", extra=["--json", str(tmp_path / "s.json")])
+    assert p.returncode == 0, p.stderr
+    rank = json.loads((tmp_path / "s.json").read_text())["ranks"][0]
+    assert rank["first_new_in_b"].startswith("run B Tensor.mul at ") and "swap.py:10 " in rank["first_new_in_b"]
+    assert rank["first_new_in_b"].endswith(", not-in-other-segment)")
+    assert "undetermined in B: not-in-other-segment 2" in p.stderr and "undetermined in A" not in p.stderr, p.stderr

@@ -23,16 +23,21 @@ def test_equal_sequences_pair_in_order_even_without_anchors() -> None:
 
 
 def test_unequal_without_anchors_stays_unresolved() -> None:
-    p = pair_streams([1, 2, 3], [1, 9, 2, 3], [NO_ANCHOR] * 3, [NO_ANCHOR] * 4)
+    # the same keys on both sides, in another order and number: order cannot pair them
+    p = pair_streams([1, 2, 3], [1, 3, 2, 3], [NO_ANCHOR] * 3, [NO_ANCHOR] * 4)
     assert list(p.a_to_b) == [-1, -1, -1] and list(p.b_to_a) == [-1] * 4
     assert p.reason_a == [SEGMENT_DIFFERS] * 3 and p.reason_b == [SEGMENT_DIFFERS] * 4
+    # one key only B has (§2 rule 6): set aside, the rest pairs
+    from opguard.compare.pairing import NOT_IN_OTHER_SEGMENT
+    p = pair_streams([1, 2, 3], [1, 9, 2, 3], [NO_ANCHOR] * 3, [NO_ANCHOR] * 4)
+    assert list(p.b_to_a) == [0, -1, 1, 2] and p.reason_b[1] == NOT_IN_OTHER_SEGMENT
 
 
 def test_anchors_then_equal_segments_between_them() -> None:
-    # A: 1 2 [x] 3 4 ; B: 1 2 [x] 7 3 4  (an extra op 7 after the anchor)
-    p = pair_streams([1, 2, 5, 3, 4], [1, 2, 5, 7, 3, 4], [0, 0, 100, 0, 200], [0, 0, 100, 0, 0, 200])
-    assert list(p.a_to_b) == [0, 1, 2, -1, 5] and p.reason_a[3] == SEGMENT_DIFFERS
-    assert p.basis_a == [BETWEEN_ANCHORS, BETWEEN_ANCHORS, INPUT_ANCHOR, None, INPUT_ANCHOR]
+    # A: 1 2 [x] 3 4 ; B: 1 2 [x] 3 7 4  (ops 3 and 7 between the anchors: 3 is in both, in other orders)
+    p = pair_streams([1, 2, 5, 7, 3, 4], [1, 2, 5, 3, 7, 4], [0, 0, 100, 0, 0, 200], [0, 0, 100, 0, 0, 200])
+    assert list(p.a_to_b) == [0, 1, 2, -1, -1, 5] and p.reason_a[3] == SEGMENT_DIFFERS
+    assert p.basis_a == [BETWEEN_ANCHORS, BETWEEN_ANCHORS, INPUT_ANCHOR, None, None, INPUT_ANCHOR]
     assert p.reason_b[3:5] == [SEGMENT_DIFFERS, SEGMENT_DIFFERS]
 
 
@@ -44,7 +49,7 @@ def test_empty_counterpart_segment() -> None:
 def test_duplicate_anchor_keys_are_not_anchors() -> None:
     # anchor 50 occurs twice in B: not unique, so it cannot anchor
     p = pair_streams([1, 2], [1, 2, 2], [50, 60], [50, 50, 60])
-    assert p.anchors == 1 and p.a_to_b[0] == -1 and p.a_to_b[1] == 2
+    assert p.anchors == 1 and p.a_to_b[1] == 2 and p.basis_a[0] != "input-anchor"
 
 
 def test_order_conflict_keeps_the_longest_monotone_set() -> None:
@@ -95,11 +100,13 @@ def test_a_function_that_differs_at_the_same_call_site_pairs_when_its_inputs_are
     assert list(p.a_to_b) == [0, 1, 2, 3, 4]
     assert p.basis_a == [BETWEEN_ANCHORS, FUNCTION_DIFFERS, BETWEEN_ANCHORS, INPUT_ANCHOR, FUNCTION_DIFFERS]
     # inputs not equal where the function first differs: nothing establishes it, the segment differs
+    # (the calls only one side makes are then set aside, §2 rule 6: the rest pairs)
+    from opguard.compare.pairing import NOT_IN_OTHER_SEGMENT
     p = pair_streams(keys_a, keys_b, anchors_a, anchors_b, sites, sites, [1, 5, 6, 7, 8], [1, 4, 6, 7, 98])
-    assert list(p.a_to_b) == [-1, -1, -1, 3, -1] and p.reason_a[1] == SEGMENT_DIFFERS
+    assert list(p.a_to_b) == [0, -1, 2, 3, -1] and p.reason_a[1] == NOT_IN_OTHER_SEGMENT
     # another call site (not only the function) differs: never paired this way
     p = pair_streams(keys_a, keys_b, anchors_a, anchors_b, sites, [10, 25, 30, 40, 20], inputs_a, inputs_a)
-    assert p.a_to_b[1] == -1 and p.reason_a[1] == SEGMENT_DIFFERS
+    assert p.a_to_b[1] == -1 and p.reason_a[1] == NOT_IN_OTHER_SEGMENT
     # without sites/inputs (the caller gives none): the rule does not apply
     assert pair_streams(keys_a, keys_b, anchors_a, anchors_b).a_to_b[1] == -1
 
@@ -118,16 +125,42 @@ def test_a_function_that_differs_with_other_nested_calls_pairs_by_its_top_level_
     anchors_a, anchors_b = [7, 0, 0, 0, 0, 0, 0, 0, 0, 0], [7, 0, 0, 0, 0, 0, 0, 0]
     inputs_a, inputs_b = [7, 5, 5, 6, 6, 8, 9, 9, 3, 3], [7, 5, 6, 6, 18, 19, 13, 13]
     p = pair_streams(keys_a, keys_b, anchors_a, anchors_b, sites_a, sites_b, inputs_a, inputs_b)
-    assert list(p.a_to_b) == [0] + [-1] * 9 and p.reason_a[1] == SEGMENT_DIFFERS  # without depth: as before
+    assert list(p.a_to_b) == [0, -1, -1, 2, 3, 4, -1, -1, 6, 7]  # without depth: only rule 6 (swap unpaired)
+    assert p.basis_a[1] is None
     p = pair_streams(keys_a, keys_b, anchors_a, anchors_b, sites_a, sites_b, inputs_a, inputs_b, nested_a, nested_b)
     assert list(p.a_to_b) == [0, 1, -1, 2, 3, 4, 5, -1, 6, 7]
     assert [p.basis_a[i] for i in (1, 6)] == [FUNCTION_DIFFERS, FUNCTION_DIFFERS]
     assert [p.basis_a[i] for i in (3, 4, 5, 8, 9)] == [BETWEEN_ANCHORS] * 5
     assert p.reason_a[2] == p.reason_a[7] == NESTED_CALLS_DIFFER
-    # where the function first differs its inputs differ too: nothing established, nothing paired
+    # where the function first differs its inputs differ too: nothing established; the calls only one
+    # side makes (keys 21, 91 / 22) are set aside (§2 rule 6) and the rest pairs
+    from opguard.compare.pairing import NOT_IN_OTHER_SEGMENT
     p = pair_streams(keys_a, keys_b, anchors_a, anchors_b, sites_a, sites_b, inputs_a,
                      [7, 4, 6, 6, 18, 19, 13, 13], nested_a, nested_b)
-    assert list(p.a_to_b) == [0] + [-1] * 9 and p.reason_a[1] == SEGMENT_DIFFERS
+    assert list(p.a_to_b) == [0, -1, -1, 2, 3, 4, -1, -1, 6, 7] and p.reason_a[1] == NOT_IN_OTHER_SEGMENT
+
+
+def test_calls_only_one_run_makes_are_set_aside_and_the_rest_pairs() -> None:
+    """docs/compare.md §2 rule 6: B makes one more call (key 50) on an edited line in every loop
+    iteration; set aside, the rest pairs in order and the extra calls are not-in-other-segment.
+    Keys both sides have in other numbers or orders are never paired this way."""
+    from opguard.compare.pairing import NOT_IN_OTHER_SEGMENT
+
+    keys_a, keys_b = [1, 2, 3, 2, 3, 9], [1, 2, 3, 50, 2, 3, 50, 9]
+    anchors_a, anchors_b = [7, 0, 0, 0, 0, 0], [7, 0, 0, 0, 0, 0, 0, 0]
+    p = pair_streams(keys_a, keys_b, anchors_a, anchors_b)
+    assert list(p.a_to_b) == [0, 1, 2, 4, 5, 7]
+    assert [p.reason_b[j] for j in (3, 6)] == [NOT_IN_OTHER_SEGMENT] * 2
+    assert p.basis_a[1:] == [BETWEEN_ANCHORS] * 5
+    # one call fewer in B: A's extra call set aside
+    p = pair_streams(keys_b, keys_a, anchors_b, anchors_a)
+    assert list(p.b_to_a) == [0, 1, 2, 4, 5, 7] and p.reason_a[3] == p.reason_a[6] == NOT_IN_OTHER_SEGMENT
+    # B repeats an iteration (keys both have, another count): nothing pairs by order
+    p = pair_streams(keys_a, [1, 2, 3, 2, 3, 2, 3, 9], anchors_a, [7, 0, 0, 0, 0, 0, 0, 0])
+    assert list(p.a_to_b) == [0, -1, -1, -1, -1, -1] and p.reason_a[1] == SEGMENT_DIFFERS
+    # one-sided calls set aside, but the rest is in another order: nothing pairs
+    p = pair_streams(keys_a, [1, 3, 2, 50, 2, 3, 9], anchors_a, [7, 0, 0, 0, 0, 0, 0])
+    assert list(p.a_to_b) == [0, -1, -1, -1, -1, -1] and p.reason_a[1] == SEGMENT_DIFFERS
 
 
 @pytest.mark.parametrize(("anchors", "expected"), [

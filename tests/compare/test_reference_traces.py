@@ -74,10 +74,14 @@ def test_inserted_line_no_false_pair_and_anchors_recover(tmp_path: Path) -> None
             assert c["reason"] == "segment-differs" and op.args["status"] == "unaligned"
             assert "diff" not in op.args
     paired = [op for op in a if op.args["correspondence"]["state"] == "paired"]
-    assert [_fn(op) for op in paired] == ["torch.matmul", "torch.relu", "torch.matmul", "torch.add", "torch.sum"]
-    assert {op.args["correspondence"]["basis"] for op in paired} == {"input-anchor"}
-    # the draws of x and y are never paired with each other
-    assert all(op.args["correspondence"]["state"] == "undetermined" for op in a[:3])
+    assert [_fn(op) for op in paired] == ["torch.randn"] * 3 + ["torch.matmul", "torch.relu", "torch.matmul",
+                                                                "torch.add", "torch.sum"]
+    assert [op.args["correspondence"]["basis"] for op in paired] == ["between-anchors"] * 3 + ["input-anchor"] * 5
+    # the draws of x, y, w pair each with its own line (B's inserted zeros set aside, docs/compare.md
+    # §2 rule 6), never with each other; the zeros is B's only unresolved operation
+    assert all(op.args["status"] == "ok" for op in paired)
+    und = [op for op in b if op.args["correspondence"]["state"] == "undetermined"]
+    assert [(_fn(op), op.args["correspondence"]["reason"]) for op in und] == [("torch.zeros", "not-in-other-segment")]
 
 
 def test_extra_call_is_undetermined_rest_paired(tmp_path: Path) -> None:
