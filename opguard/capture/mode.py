@@ -163,8 +163,16 @@ class CaptureMode(TorchFunctionMode):
             if isinstance(func, _OPS):
                 quiet.profiler_op(func)
             return via(func, args, kwargs)
-        if isinstance(func, _OPS):  # torch.ops (the dispatch level's)
-            return via(func, args, kwargs)
+        if isinstance(func, _OPS):  # torch.ops (the dispatch level's): not recorded, but what it wrote is seen
+            result = via(func, args, kwargs)
+            try:
+                positions, names = records.op_writes(func)
+                if positions or names:
+                    s.written_unrecorded([args[i] for i in positions if i < len(args)]
+                                         + [v for k, v in kwargs.items() if k in names])
+            except Exception as err:
+                s.failed("recording", err)
+            return result
         inflight = self.inflight
         if inflight:
             f0, a0 = inflight[-1]

@@ -118,6 +118,40 @@ def written_slots(name: str) -> frozenset[str]:
     return out
 
 
+_op_writes: dict[Any, tuple[tuple[int, ...], frozenset[str]]] = {}
+
+
+def op_writes(op: Any) -> tuple[tuple[int, ...], frozenset[str]]:
+    """(positions, keyword names) of the arguments a ``torch.ops`` operator writes (its schema's
+    ``alias_info.is_write``; every overload of a packet), cached per operator; nothing when unknown."""
+    try:
+        hit = _op_writes.get(op)
+    except TypeError:
+        hit = None
+    if hit is not None:
+        return hit
+    positions: set[int] = set()
+    names: set[str] = set()
+    try:
+        packet: Any = op if isinstance(op, torch._ops.OpOverloadPacket) else None
+        schemas = [getattr(packet, o)._schema for o in packet.overloads()] if packet is not None else [op._schema]
+        for schema in schemas:
+            for i, a in enumerate(schema.arguments):
+                if a.alias_info is not None and a.alias_info.is_write:
+                    names.add(a.name)
+                    if not a.kwarg_only:
+                        positions.add(i)
+    except Exception:  # no schema: nothing known
+        positions.clear()
+        names.clear()
+    out = (tuple(sorted(positions)), frozenset(names))
+    try:
+        _op_writes[op] = out
+    except TypeError:
+        pass
+    return out
+
+
 def _kind(method: str) -> int:
     if method in METADATA_METHODS:
         return METADATA

@@ -519,6 +519,26 @@ class Session:
             while len(self._shared) > CACHE_ENTRIES:
                 del self._shared[next(iter(self._shared))]
 
+    def written_unrecorded(self, values: list[Any]) -> None:
+        """The tensors in ``values`` were written by a call that is not recorded (a ``torch.ops``
+        custom operator writing its ``out`` arguments: FSDP2's ``fsdp::split_with_sizes_copy`` fills
+        the unsharded parameters, under ``_unsafe_preserve_version_counter``, so no version moves):
+        their storages' cached contents are dropped and their uninitialised marks cleared (§3.7,
+        §5.3): the next use is digested from memory, as a result."""
+        for value in values:
+            for t in ([value] if isinstance(value, torch.Tensor) else
+                      [v for v in value if isinstance(v, torch.Tensor)] if isinstance(value, (list, tuple)) else []):
+                ptr = _address(t)
+                if ptr is None:
+                    continue
+                region = _region(t, ptr)
+                self._uninit.pop(region, None)
+                self._uninit.pop(ptr, None)
+                for k in self._at.pop(region, None) or ():
+                    s = self._cache.pop(k, None)
+                    if s is not None:
+                        s.dead = True
+
     def _dead_entry(self, ref: _Ref) -> None:
         s = self._cache.get(ref.key)
         if s is not None and s.ref is ref:  # not an entry re-made since for another tensor

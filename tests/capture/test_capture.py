@@ -430,6 +430,34 @@ def test_arguments_written_in_place_without_a_version_change_are_outputs(out_env
     assert [(e["slot"], e["digest"]) for e in unscale["outputs"]] == [("arg0.0", after), ("arg1", negs[3])]
 
 
+@torch.library.custom_op("opguard_test::fill_out", mutates_args=("out",))
+def _fill_out(out: torch.Tensor, value: float) -> None:
+    out.fill_(value)
+
+
+def test_what_an_unrecorded_custom_op_writes_is_digested_from_memory(out_env: dict[str, str]) -> None:
+    """A ``torch.ops`` custom op writing its ``out`` argument under ``_unsafe_preserve_version_counter``
+    (FSDP2's ``fsdp::split_with_sizes_copy`` fills the unsharded parameters so): no version moves.
+    Before, the torch.empty buffer stayed 'uninitialized' (every FSDP2 forward linear had no weight
+    digest) and a cached tensor kept its old digest; now the op's written arguments (from its
+    schema) are read from memory at their next use."""
+    preserve = torch.autograd._unsafe_preserve_version_counter
+    x = torch.ones(4)
+    with oc.capture(env=out_env) as cap:
+        buf = torch.empty(4)
+        with preserve(buf):
+            torch.ops.opguard_test.fill_out(buf, 3.0)
+        torch.neg(buf)
+        torch.neg(x)
+        with preserve(x):
+            torch.ops.opguard_test.fill_out(x, 5.0)
+        torch.neg(x)
+    negs = [r["inputs"][0] for r in ops(read_trace(cap.path)) if r["fn"] == "torch.neg"]
+    assert [e.get("uninitialized") for e in negs] == [None, None, None]
+    assert [e["digest"] for e in negs] == [oc_digest(torch.full((4,), 3.0)), oc_digest(torch.ones(4)),
+                                           oc_digest(torch.full((4,), 5.0))]
+
+
 def test_the_same_tensor_used_again_gets_its_current_shape_and_content(out_env: dict[str, str]) -> None:
     """The same tensor object used again unchanged costs one lookup (Session._seen); a reshape
     through ``.data`` (same memory, same version) and a swap of ``.data`` are seen."""
