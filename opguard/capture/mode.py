@@ -21,7 +21,8 @@ inside it (``stacklevel``, PyTorch's C++ warnings) name the caller's file, line 
 capture.
 
 Under ``torch.compile`` tracing the mode does nothing (``torch.compiler.is_dynamo_compiling()``): Dynamo
-sees a plain call.
+sees a plain call; nor while ``torch.jit.trace`` traces (sizes are traced values then, and capture's own
+reads would enter the traced graph).
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from opguard.capture.session import Call, Session
 
 _OPS = (torch._ops.OpOverload, torch._ops.OpOverloadPacket)
 _compiling = torch.compiler.is_dynamo_compiling  # False in eager code, True while Dynamo traces
+_jit_tracing = torch._C._get_tracing_state  # None in eager code; the tracer's state inside torch.jit.trace
 _skip_one_hop = torch._C._skip_one_hop_torch_function  # redispatch_function without its Python frame
 _getframe = sys._getframe
 
@@ -77,6 +79,7 @@ _Tensor, _Parameter = torch.Tensor, torch.nn.Parameter
 _names_get = records._names.get
 _UNINITIALIZED_FNS = records.UNINITIALIZED_FNS
 _SHARES_MEMORY = records.SHARES_MEMORY_FNS
+_written_get = records._written.get
 _isfinite = math.isfinite
 
 
@@ -111,13 +114,12 @@ def _split(value: Any, slot: str, ts: list[tuple[str, torch.Tensor]], xs: list[d
         xs.append(records.arg_entry(slot, value))
 
 
-def _written_outputs(name: str, ins: list[tuple[str, torch.Tensor]], outs: list[tuple[str, Any]]) -> None:
-    """Add to ``outs`` the input tensors the in-place function ``name`` wrote (``records.written_slots``)
-    that its result does not already hold: written without a version change (``found_inf`` of
-    ``torch._amp_foreach_non_finite_check_and_unscale_``) or returned as nothing (§3.1)."""
-    written = records.written_slots(name)
-    if not written:
-        return
+def _written_outputs(written: frozenset[str], ins: list[tuple[str, torch.Tensor]], outs: list[tuple[str, Any]]
+                     ) -> None:
+    """Add to ``outs`` the input tensors in the ``written`` slots (``records.written_slots``) that the
+    result does not already hold: written without a version change (``found_inf`` of
+    ``torch._amp_foreach_non_finite_check_and_unscale_``, batch norm's running statistics) or
+    returned as nothing (§3.1)."""
     held = {id(t) for _, t in outs}
     for slot, t in ins:
         if (slot in written or slot.partition(".")[0] in written) and id(t) not in held:
@@ -150,7 +152,7 @@ class CaptureMode(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: Sequence[Any] = (),
                            kwargs: Mapping[str, Any] | None = None) -> Any:
-        if _compiling():  # Dynamo traces this handler: capture is invisible to it
+        if _compiling() or _jit_tracing() is not None:  # Dynamo / torch.jit.trace: capture is invisible to them
             return func(*args, **(kwargs or {}))
         kwargs = kwargs or {}
         s = self.session
@@ -257,8 +259,12 @@ class CaptureMode(TorchFunctionMode):
                 outs = [("out", result)] if type(result) is _Tensor else list(tensors_in(result, "out"))
                 if result is None and name == "Tensor.__setitem__" and args and isinstance(args[0], _Tensor):
                     outs = [("self", args[0])]  # what the assignment wrote: self after the call (§3.1)
-                elif name[-1] == "_" and ins:  # an in-place function: every argument it wrote is an output
-                    _written_outputs(name, ins, outs)
+                elif ins:  # every argument the function wrote is an output (in-place ones, running statistics)
+                    written = _written_get(name)
+                    if written is None:
+                        written = records.written_slots(name, func)
+                    if written:
+                        _written_outputs(written, ins, outs)
                 if name in _UNINITIALIZED_FNS:
                     s.outputs(call, outs, uninitialized=True)
                 else:  # s.outputs(call, outs), with entry()'s fast path tried here (one or two calls less)

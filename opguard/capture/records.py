@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import enum
 import hashlib
+import inspect
 import json
 import math
 import numbers
@@ -90,30 +91,43 @@ def function_name(func: Any) -> tuple[str, int]:
     return name, meta
 
 
+# Arguments written by the batch-norm family in training (the running statistics, updated in place
+# without moving a version counter) that several ATen schemas do not mark as written
+# (native_batch_norm, batch_norm, cudnn_batch_norm, batch_norm_update_stats, ...): taken as written
+# wherever a schema or a Python signature names them.
+RUNNING_STATS = frozenset({"running_mean", "running_var"})
 _written: dict[str, frozenset[str]] = {}
 
 
-def written_slots(name: str) -> frozenset[str]:
-    """The argument slots (§3.3: ``self`` / ``arg<i>`` / keyword) that the in-place function ``name``
-    (``torch.X_`` / ``Tensor.X_``) writes, from the ``alias_info.is_write`` of its ATen schemas (every
-    overload): e.g. ``torch._amp_foreach_non_finite_check_and_unscale_`` writes ``arg0`` (the
-    gradients) and ``arg1`` (``found_inf``), returns nothing and moves no version counter. Empty
-    when the name has no ATen op."""
+def written_slots(name: str, func: Any = None) -> frozenset[str]:
+    """The argument slots (§3.3: ``self`` / ``arg<i>`` / keyword) that the function ``name`` (``torch.X``
+    / ``Tensor.X``) writes, from its ATen schemas (every overload): the arguments marked
+    ``alias_info.is_write`` (``torch._amp_foreach_non_finite_check_and_unscale_`` writes ``arg0``,
+    the gradients, and ``arg1``, ``found_inf``, returns nothing and moves no version counter) and
+    :data:`RUNNING_STATS`; for a Python-level function ``func`` (``torch.nn.functional.batch_norm``),
+    its parameters named in :data:`RUNNING_STATS`. Cached per name."""
     hit = _written.get(name)
     if hit is not None:
         return hit
     owner, _, op = name.partition(".")
     slots: set[str] = set()
     try:
-        packet = getattr(torch.ops.aten, op)
-        for overload in packet.overloads():
+        packet = getattr(torch.ops.aten, op) if owner in ("torch", "Tensor") and "." not in op else None
+        for overload in packet.overloads() if packet is not None else ():
             for i, a in enumerate(getattr(packet, overload)._schema.arguments):
-                if a.alias_info is not None and a.alias_info.is_write:
+                if (a.alias_info is not None and a.alias_info.is_write) or a.name in RUNNING_STATS:
                     slots.add(a.name)  # passed by keyword
                     if not a.kwarg_only:
                         slots.add("self" if i == 0 and owner == "Tensor" else f"arg{i}")
-    except Exception:  # no such ATen op (a Python-level function): nothing known
+    except Exception:  # no such ATen op: nothing known from a schema
         slots.clear()
+    if not slots and func is not None and inspect.isfunction(func):
+        try:
+            for i, p in enumerate(inspect.signature(func).parameters.values()):
+                if p.name in RUNNING_STATS:
+                    slots.update((p.name, f"arg{i}"))
+        except (TypeError, ValueError):
+            pass
     out = _written[name] = frozenset(slots)
     return out
 

@@ -327,6 +327,9 @@ class Session:
             key: tuple[Any, ...] = (t.data_ptr(), n, t.dtype, t.device, version)
         else:
             key = (t.data_ptr(), t.shape, t.stride(), t.dtype, t.device, version)
+        conj, neg = t.is_conj(), t.is_neg()
+        if conj or neg:  # a lazy conjugate/negative view: another content than its memory holds
+            key = (*key, conj, neg)
         if want_stats and self._at:  # an output: written in its storage (see _wrote)
             region = _region(t, key[0])
             if region in self._at:
@@ -334,15 +337,17 @@ class Session:
         s = None if fresh or n == 0 else self._lookup(key)
         if s is not None and (not want_stats or s.has_stats):
             return s
-        if s is None and n and contiguous and self.host_digest and t.is_cpu:
+        if s is None and n and contiguous and self.host_digest and t.is_cpu and not (conj or neg):
             code = hostkernel.CODES.get(t.dtype)
-            if code is not None and not t.is_neg():
+            if code is not None:
                 return self._fast_host(t, key, n, code if want_stats else None)
+        # the statistics of the memory range it spans serve a dense non-contiguous tensor, not a lazy view
+        range_stats = not contiguous and not fresh and not (conj or neg)
         self.busy += 1
         try:
             if self.host is not None and t.is_cpu:
-                return self._summarize_host(t, key, s, n, want_stats and bool(n), not contiguous and not fresh)
-            return self._summarize(t, key, s, n, want_stats and bool(n), not contiguous and not fresh)
+                return self._summarize_host(t, key, s, n, want_stats and bool(n), range_stats)
+            return self._summarize(t, key, s, n, want_stats and bool(n), range_stats)
         finally:
             self.busy -= 1
 
@@ -936,7 +941,12 @@ class Session:
                 if self.cap_reached:
                     self.dropped += 1
                     continue
-                line = encode(c.rec)
+                try:
+                    line = encode(c.rec)
+                except Exception as err:  # this record only (a value JSON cannot hold): the others are written
+                    self.dropped += 1
+                    self.failed("writing", err)
+                    continue
                 if not self._account(len(line)):
                     self.dropped += 1
                     continue

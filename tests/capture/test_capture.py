@@ -458,6 +458,82 @@ def test_what_an_unrecorded_custom_op_writes_is_digested_from_memory(out_env: di
                                            oc_digest(torch.full((4,), 5.0))]
 
 
+@pytest.mark.parametrize("kernel", ["native", "torch"])
+def test_lazy_conjugate_and_negative_views_get_their_own_content(out_env: dict[str, str], kernel: str) -> None:
+    """``torch.conj(x)`` and ``torch._neg_view(t)`` share their base's memory with a conj/neg bit set:
+    their cache key was the base's, so they (and every use of them) were recorded with the base's
+    digest (found on a rotary-embedding script: every ``conj`` entry wrong)."""
+    x = torch.complex(torch.tensor([1.0, 2.0]), torch.tensor([3.0, -4.0]))
+    t = torch.tensor([[1.0, -2.0], [3.0, 4.0]])
+    with oc.capture(env=out_env, host_kernel=kernel) as cap:
+        torch.neg(x)
+        y = torch.conj(x)
+        y.abs()
+        torch.neg(t)
+        n = torch._neg_view(t)
+        n.t().sum()        # a non-contiguous negative view: no statistics of the range it spans
+    recs = {r["fn"]: r for r in ops(read_trace(cap.path))}
+    conj = oc_digest(torch.view_as_real(x.conj().resolve_conj()))  # complex: its float pairs (§5)
+    assert recs["torch.conj"]["outputs"][0]["digest"] == recs["Tensor.abs"]["inputs"][0]["digest"] == conj
+    assert conj != oc_digest(torch.view_as_real(x))
+    assert recs["torch._neg_view"]["outputs"][0]["digest"] == oc_digest(-t) != oc_digest(t)
+    assert recs["Tensor.t"]["outputs"][0]["digest"] == oc_digest((-t).t().contiguous())
+    assert recs["Tensor.t"]["outputs"][0]["stats"]["max"] == 2.0
+
+
+@pytest.mark.parametrize("level", ["function", "dispatch"])
+def test_batch_norm_running_statistics_are_outputs(out_env: dict[str, str], level: str) -> None:
+    """A training BatchNorm forward updates ``running_mean``/``running_var`` in place without a
+    version change, and ``native_batch_norm``'s schema does not mark them as written: every later
+    read had the initial zeros' digest. They are outputs of the batch-norm calls now."""
+    torch.manual_seed(0)
+    bn, xs = torch.nn.BatchNorm1d(3), [torch.randn(4, 3) for _ in range(3)]
+    ref = torch.nn.BatchNorm1d(3)
+    expect = [oc_digest(ref.running_mean)]
+    for x in xs:
+        ref(x)
+        expect.append(oc_digest(ref.running_mean))
+    with oc.capture(env=out_env, level=level) as cap:
+        for x in xs:
+            bn(x)
+        bn.running_mean * 1
+    recs = ops(read_trace(cap.path))
+    bns = [r for r in recs if r["fn"] == "torch.nn.functional.batch_norm"]
+    assert [r["inputs"][1]["digest"] for r in bns] == expect[:3]
+    assert [next(e["digest"] for e in r["outputs"] if e["slot"] == "arg1") for r in bns] == expect[1:]
+    assert next(r for r in recs if r["fn"] == "Tensor.mul")["inputs"][0]["digest"] == expect[3]
+
+
+def test_jit_trace_under_capture_loses_nothing(out_env: dict[str, str]) -> None:
+    """``torch.jit.trace`` under capture: capture's own reads entered the tracer (TracerWarnings naming
+    opguard's files) and a record with traced sizes made the whole batch unwritable ('records: 0,
+    dropped: 31'). The mode records nothing while tracing; every other record is written."""
+    import warnings
+
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(3, 2)
+    with warnings.catch_warnings(record=True) as caught, oc.capture(env=out_env) as cap:
+        warnings.simplefilter("always")
+        traced = torch.jit.trace(lin, (torch.randn(4, 3),))
+        traced(torch.randn(4, 3)) * 2
+    assert not [w for w in caught if "opguard" in str(w.filename)], [str(w.message) for w in caught]
+    meta = json.loads((cap.path / "meta.json").read_text())
+    assert meta["dropped"] == 0 and meta["records"] > 0
+    assert "Tensor.mul" in {r["fn"] for r in ops(read_trace(cap.path))}
+
+
+def test_a_record_that_cannot_be_encoded_loses_only_itself(out_env: dict[str, str]) -> None:
+    """Writing: one record JSON cannot hold (capture's own bug) is dropped and said once; the rest of
+    its batch is written (before, the whole batch was dropped)."""
+    with oc.capture(env=out_env, buffer=64) as cap:
+        torch.ones(2).neg()
+        cap.session.pending[-1].rec["bad"] = object()
+        torch.ones(2).exp()
+    meta = json.loads((cap.path / "meta.json").read_text())
+    fns = [r["fn"] for r in ops(read_trace(cap.path))]
+    assert meta["dropped"] == 1 and "Tensor.exp" in fns and "Tensor.neg" not in fns
+
+
 def test_the_same_tensor_used_again_gets_its_current_shape_and_content(out_env: dict[str, str]) -> None:
     """The same tensor object used again unchanged costs one lookup (Session._seen); a reshape
     through ``.data`` (same memory, same version) and a swap of ``.data`` are seen."""
