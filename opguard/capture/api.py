@@ -53,6 +53,7 @@ class ModulePaths:
         # provisional paths: module -> (the parent it was resolved under, that parent's path then)
         self.derived: weakref.WeakKeyDictionary[torch.nn.Module, tuple[Any, str | None]] = weakref.WeakKeyDictionary()
         self.changes = 0  # paths assigned or changed (optimizer parameter names are rebuilt on a change)
+        self.by_class: dict[str, list[weakref.ref[torch.nn.Module]]] = {}  # modules named by their class
         self.running: list[torch.nn.Module] = []
         self.handles: list[Any] = []
         # module hooks are global, capture (its function mode) is the starting thread's: another
@@ -89,7 +90,7 @@ class ModulePaths:
                     break
         if p is None:
             named = _root_names.get(m)
-            p = named or type(m).__name__
+            p = named or self._class_name(m)
             if named is None and parent is None:
                 self.derived[m] = (None, None)
             else:
@@ -98,6 +99,27 @@ class ModulePaths:
             self.paths[m] = p
             self.changes += 1
         return p
+
+    def _class_name(self, m: torch.nn.Module) -> str:
+        """A module named by its class (a root, or one its running parent does not hold): the class
+        name for the first such module of that class, ``<class>#2``, ``#3``, ... for the next ones
+        alive at the same time (a GAN's generator and discriminator, both ``Sequential``); a number
+        is reused once its module is gone (a module made per call keeps one name)."""
+        base = type(m).__name__
+        seen = self.by_class.setdefault(base, [])
+        free = None
+        for k, ref in enumerate(seen):
+            held = ref()
+            if held is m:
+                return base if k == 0 else f"{base}#{k + 1}"
+            if held is None and free is None:
+                free = k
+        if free is None:
+            free = len(seen)
+            seen.append(weakref.ref(m))
+        else:
+            seen[free] = weakref.ref(m)
+        return base if free == 0 else f"{base}#{free + 1}"
 
     def _pre(self, m: torch.nn.Module, args: Any) -> None:
         if _compiling() or threading.get_ident() != self.thread:  # Dynamo: invisible to it; other threads

@@ -827,3 +827,19 @@ def test_a_module_first_called_outside_any_forward_gets_its_path_inside_its_pare
     assert ran == {"Sequential.0.parametrizations.weight.0"}, ran
     step = next(r for r in op if r["api"] == "optimizer")
     assert "Sequential.0.parametrizations.weight.original" in [e["slot"] for e in step["inputs"]]
+
+
+def test_two_root_modules_of_one_class_get_distinct_paths(out_env: dict[str, str]) -> None:
+    """A GAN's generator and discriminator, both ``nn.Sequential`` roots: both were ``Sequential.*``, so
+    their records (and compare's call-site keys, which hold the module) could not be told apart. The
+    second root of a class is ``Sequential#2``; a module made anew per call keeps one number."""
+    torch.manual_seed(0)
+    gen = torch.nn.Sequential(torch.nn.Linear(2, 4), torch.nn.Tanh())
+    disc = torch.nn.Sequential(torch.nn.Linear(4, 1))
+    with oc.capture(env=out_env) as cap:
+        for _ in range(2):
+            disc(gen(torch.ones(1, 2)))
+            torch.nn.Softmax(dim=1)(torch.ones(1, 3))  # a root made and dropped per call
+    mods = [r["module"] for r in ops(read_trace(cap.path)) if r["fn"] in ("torch.nn.functional.linear",
+                                                                           "torch.nn.functional.softmax")]
+    assert mods == ["Sequential.0", "Sequential#2.0", "Softmax"] * 2

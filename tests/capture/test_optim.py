@@ -317,5 +317,10 @@ def test_parameter_names_are_stable_complete_and_unique(tmp_path: Path) -> None:
         (a(torch.ones(1, 2)) + b(torch.ones(1, 2))).sum().backward()
         opt3.step()
 
-    assert _step_slots(tmp_path / "c", two_roots) == [["Linear.weight", "Linear.bias", "Linear.weight#2",
-                                                       "Linear.bias#2"]]
+    # two roots of one class: the second is Linear#2 (§3.1), so its parameters are Linear#2.*
+    assert _step_slots(tmp_path / "c", two_roots) == [["Linear.weight", "Linear.bias", "Linear#2.weight",
+                                                       "Linear#2.bias"]]
+    # two roots given one name: the record's slots are still unique
+    oc.name_modules(a, "net")
+    oc.name_modules(b, "net")
+    assert _step_slots(tmp_path / "d", two_roots) == [["net.weight", "net.bias", "net.weight#2", "net.bias#2"]]
