@@ -25,6 +25,7 @@ from opguard.capture.mode import CaptureMode
 from opguard.capture.optim import OptimizerSteps
 from opguard.capture.options import CaptureOptions
 from opguard.capture.session import Session
+from opguard.capture.swap import SwapGuard
 from opguard.errors import ConfigError
 
 _root_names: weakref.WeakKeyDictionary[torch.nn.Module, str] = weakref.WeakKeyDictionary()
@@ -187,6 +188,7 @@ class Capture:
         self.aten = AtenMode(self.session) if options.level == "dispatch" else None
         self.modules = ModulePaths(self.session)
         self.collectives = Collectives(self.session)
+        self.swaps = SwapGuard(self.session)
         self.optimizer_steps = (OptimizerSteps(self.session, self.modules, self.mode)
                                 if options.optimizer == "step" else None)
         self.modules.optimizer_steps = self.optimizer_steps
@@ -206,6 +208,7 @@ class Capture:
         self._thread = threading.get_ident()
         self.modules.install()
         self.collectives.install()
+        self.swaps.install()
         if self.optimizer_steps is not None:  # each step one record (optim.py): its hooks first
             self._optim_hooks.append(register_optimizer_step_pre_hook(self.optimizer_steps.pre))
             self._optim_hooks.append(register_optimizer_step_post_hook(self.optimizer_steps.post))
@@ -246,6 +249,7 @@ class Capture:
         finally:
             self.modules.uninstall()
             self.collectives.uninstall()
+            self.swaps.uninstall()
             while self._optim_hooks:
                 self._optim_hooks.pop().remove()
             try:

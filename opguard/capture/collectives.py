@@ -119,8 +119,9 @@ def _wrap(session: Session, name: str, orig: Callable[..., Any], thread: int,
             s.inflight.pop()
             s.parents.pop()
         try:
-            if is_async:
+            if is_async:  # written later (by wait()), with no version change: read from memory at the next use
                 rec["async"] = True
+                s.written_unrecorded([arguments.get(p) for p in written])
             elif not s.cap_reached:
                 with _no_modes():
                     s.outputs(call, [st for p in written for st in tensors_in(arguments.get(p), p)], fresh=True)

@@ -79,8 +79,17 @@ _Tensor, _Parameter = torch.Tensor, torch.nn.Parameter
 _names_get = records._names.get
 _UNINITIALIZED_FNS = records.UNINITIALIZED_FNS
 _SHARES_MEMORY = records.SHARES_MEMORY_FNS
+_GROWS = records.GROWS_FNS
+_SPECIAL = _SHARES_MEMORY | {"Tensor.data"}  # names that need a look before the call (one set test per call)
 _written_get = records._written.get
 _isfinite = math.isfinite
+
+
+def _grew(inputs: list[dict[str, Any]], outs: list[tuple[str, Any]]) -> bool:
+    """A ``resize_`` that made its tensor larger: the new elements are whatever the allocator left."""
+    if not inputs or not outs or not isinstance(outs[0][1], torch.Tensor):
+        return False
+    return bool(outs[0][1].numel() > math.prod(inputs[0].get("shape") or [0]))
 
 
 def _split(value: Any, slot: str, ts: list[tuple[str, torch.Tensor]], xs: list[dict[str, Any]]) -> None:
@@ -189,9 +198,12 @@ class CaptureMode(TorchFunctionMode):
         except Exception as err:
             s.failed("recording", err)
             return via(func, args, kwargs)
-        if name in _SHARES_MEMORY and args:  # t.numpy(), np.asarray(t): numpy can write t's memory now (§5.3)
+        if name in _SPECIAL and args:
             try:
-                s.shared(args[0])
+                if name in _SHARES_MEMORY:  # t.numpy(), np.asarray(t): numpy can write t's memory now (§5.3)
+                    s.shared(args[0])
+                elif getattr(func, "__name__", None) == "__set__":  # t.data = ...: another memory, layout, dtype
+                    s.rebound(args[0])
             except Exception as err:
                 s.failed("recording", err)
         if ((kind and (kind == records.METADATA or (kind == records.NOISE and not self.noise))) or s.cap_reached
@@ -265,7 +277,7 @@ class CaptureMode(TorchFunctionMode):
                         written = records.written_slots(name, func)
                     if written:
                         _written_outputs(written, ins, outs)
-                if name in _UNINITIALIZED_FNS:
+                if name in _UNINITIALIZED_FNS or (name in _GROWS and _grew(call.rec["inputs"], outs)):
                     s.outputs(call, outs, uninitialized=True)
                 else:  # s.outputs(call, outs), with entry()'s fast path tried here (one or two calls less)
                     entry, put = s.entry, call.rec["outputs"].append

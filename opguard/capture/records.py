@@ -69,6 +69,10 @@ UNINITIALIZED_FNS = frozenset({
 # again (docs/capture.md §5.3).
 SHARES_MEMORY_FNS = frozenset({"Tensor.numpy", "Tensor.__array__", "Tensor.__dlpack__"})
 
+# In-place resizes: when they grow a tensor its new elements are uninitialised memory, so the output
+# is recorded as uninitialised (docs/capture.md §3.7).
+GROWS_FNS = frozenset({"Tensor.resize_", "Tensor.resize_as_"})
+
 _names: dict[Any, tuple[str, int]] = {}
 
 

@@ -544,6 +544,41 @@ class Session:
                     if s is not None:
                         s.dead = True
 
+    def rebound(self, t: Any) -> None:
+        """``t.data = other`` gives ``t`` another memory, layout or element type with its version
+        unchanged: its same-object record (§5.3, which compares version, address and shape, not
+        strides or dtype: ``w.data = w.data.T`` of a square ``w``) no longer describes it."""
+        self._seen.pop(id(t), None)
+
+    def release(self, t: Any) -> None:
+        """Drop every weak reference capture holds to ``t`` (its cache entries, its same-object record,
+        its uninitialised and shared marks): ``torch.utils.swap_tensors`` refuses a tensor that has
+        weak references, and so does ``nn.Module._apply`` when it swaps parameters. The entries go;
+        records already made keep their values."""
+        if not isinstance(t, torch.Tensor):
+            return
+        hit = self._seen.pop(id(t), None)
+        if hit is not None and hit[3].ref is not None and hit[3].ref() is t:
+            hit[3].ref = None
+        ptr = _address(t)
+        if ptr is None:
+            return
+        region = _region(t, ptr)
+        cache = self._cache
+        for k in list(self._at.get(region) or ()):
+            s = cache.get(k)
+            if s is not None and s.ref is not None and s.ref() is t:
+                del cache[k]
+                s.dead = True
+                s.ref = None
+        for at in (ptr, region):
+            mark = self._uninit.get(at)
+            if mark is not None and mark[0]() is t:
+                del self._uninit[at]
+        shared = self._shared.get(region)
+        if shared is not None and shared() is t:
+            del self._shared[region]
+
     def _dead_entry(self, ref: _Ref) -> None:
         s = self._cache.get(ref.key)
         if s is not None and s.ref is ref:  # not an entry re-made since for another tensor
@@ -1104,6 +1139,12 @@ class Session:
         finally:
             self.closed = True
             self.writer.close()
+            # nothing of the program's tensors is held after the end (weak references included:
+            # torch.utils.swap_tensors refuses a tensor that has any)
+            for s in self._cache.values():
+                s.ref = None
+            for held in (self._cache, self._at, self._seen, self._uninit, self._shared):
+                held.clear()
 
     def _compile_notes(self) -> None:
         dyn = sys.modules.get("torch._dynamo.utils")

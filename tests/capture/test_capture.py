@@ -843,3 +843,67 @@ def test_two_root_modules_of_one_class_get_distinct_paths(out_env: dict[str, str
     mods = [r["module"] for r in ops(read_trace(cap.path)) if r["fn"] in ("torch.nn.functional.linear",
                                                                            "torch.nn.functional.softmax")]
     assert mods == ["Sequential.0", "Sequential#2.0", "Softmax"] * 2
+
+
+def test_swap_tensors_works_under_capture(out_env: dict[str, str]) -> None:
+    """``torch.utils.swap_tensors`` refuses a tensor with weak references, and capture's digest cache
+    held one to every tensor it summarised: swapping failed only under capture ('Cannot swap t1
+    because it has weakref associated with it'), and so did ``model.to(torch.float64)`` with
+    ``set_swap_module_params_on_conversion(True)``. Capture drops its references first; after the
+    capture, it holds none."""
+    a, b = torch.ones(3), torch.zeros(3)
+    m = torch.nn.Linear(4, 2)
+    prev = torch.__future__.get_swap_module_params_on_conversion()
+    try:
+        with oc.capture(env=out_env) as cap:
+            a.sum() + b.sum()
+            torch.utils.swap_tensors(a, b)
+            m(torch.ones(1, 4)).sum()
+            torch.__future__.set_swap_module_params_on_conversion(True)
+            m.to(torch.float64)
+            m(torch.ones(1, 4, dtype=torch.float64)).sum()
+            c, d = torch.ones(2), torch.zeros(2)
+            c.neg(), d.neg()
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(prev)
+    assert a.tolist() == [0.0] * 3 and m.weight.dtype == torch.float64
+    torch.utils.swap_tensors(c, d)  # after the capture: nothing of capture's is left on them
+    assert c.tolist() == [0.0, 0.0]
+    assert json.loads((cap.path / "meta.json").read_text())["dropped"] == 0
+
+
+def test_a_data_swap_is_seen_by_the_same_object_path(out_env: dict[str, str]) -> None:
+    """``w.data = w.data.T`` (square ``w``: same address, shape and version, other strides) and
+    ``u.data = <int32 view>`` (other dtype): the same-object path served the old entry (the
+    untransposed digest; dtype float32)."""
+    torch.manual_seed(0)
+    w, x = torch.nn.Parameter(torch.randn(3, 3)), torch.randn(2, 3)
+    u = torch.randn(4)
+    with oc.capture(env=out_env) as cap:
+        x @ w
+        w.data = w.data.T
+        x @ w
+        alias = u.view(torch.int32)
+        u.neg()
+        u.data = alias
+        u.abs()
+    recs = ops(read_trace(cap.path))
+    mm = [r["inputs"][1]["digest"] for r in recs if r["fn"] == "Tensor.matmul"]
+    assert mm == [oc_digest(w.detach().T.contiguous()), oc_digest(w.detach())]
+    assert next(r for r in recs if r["fn"] == "Tensor.abs")["inputs"][0]["dtype"] == "int32"
+
+
+def test_a_growing_resize_is_uninitialised(out_env: dict[str, str]) -> None:
+    """``resize_`` that grows a tensor leaves its new elements uninitialised: its output is marked so
+    (identical runs compared with an 'introduced' divergence on it); once written it is a result."""
+    c = torch.arange(4.0)
+    with oc.capture(env=out_env) as cap:
+        c.resize_(64)
+        c[4:] = 1.0
+        c.resize_(8)
+        c.sum()
+    recs = ops(read_trace(cap.path))
+    grow, shrink = [r["outputs"][0] for r in recs if r["fn"] == "Tensor.resize_"]
+    assert grow.get("uninitialized") is True and grow["digest"] is None
+    assert shrink.get("uninitialized") is None
+    assert shrink["digest"] == oc_digest(torch.tensor([0, 1, 2, 3, 1, 1, 1, 1.0]))

@@ -8,6 +8,7 @@ import os
 import socket
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -115,6 +116,32 @@ def test_opguard_run_torchrun_capture_and_identical_losses(tmp_path: Path) -> No
         plain = (plain_out / f"loss-{rank}.txt").read_text()
         assert plain == (cap_out / f"loss-{rank}.txt").read_text() and len(plain.split()) == int(STEPS)
     check_two_rank_traces(base)
+
+
+def test_async_collectives_results_are_read_after_wait(tmp_path: Path) -> None:
+    """``all_reduce``/``broadcast`` with ``async_op=True`` and ``irecv``: gloo writes their tensors
+    without moving a version counter, and their records carry no outputs (``async``). The first use
+    after ``wait()`` was recorded with the digest from before the call (rank-specific instead of the
+    reduced content); the written tensors are now read from memory at their next use."""
+    import torch
+
+    from opguard.capture.digest import Digester, finish
+
+    def digest(t: Any) -> str:
+        d = Digester("full")
+        assert d.compute is not None
+        return finish(int(d.compute(t)), t.numel())
+
+    base = tmp_path / "traces"
+    env = {**clean_env(), "OPGUARD_TRACE_OUTPUT_BASE": str(base)}
+    app = str(Path(__file__).parent / "progs" / "async_app.py")
+    run([str(BIN / "opguard-run"), "--capture", TORCHRUN, "--nnodes=1", "--nproc-per-node=2",
+         "--master-addr=127.0.0.1", f"--master-port={free_port()}", app], env)
+    for rank in (0, 1):
+        negs = [r["inputs"][0]["digest"] for r in ops(read_trace(trace_dir(base, rank))) if r["fn"] == "Tensor.neg"]
+        expect = [digest(torch.full((4,), 3.0)), digest(torch.full((3,), 1.0))]
+        expect.append(digest(torch.full((2,), 7.0) if rank == 0 else torch.zeros(2)))
+        assert negs == expect, rank
 
 
 def test_staging_round_trip_restores_the_traces(staging_env: dict[str, str], tmp_path: Path) -> None:

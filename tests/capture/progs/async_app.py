@@ -1,0 +1,24 @@
+"""Two gloo ranks: collectives issued with async_op=True (and irecv), their results read after
+wait(). gloo writes them without moving any version counter (tests/capture/test_torchrun.py)."""
+
+import torch
+import torch.distributed as dist
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+t = torch.full((4,), float(rank + 1))
+t.sum()                                    # digested (and cached) before the collective
+dist.all_reduce(t, async_op=True).wait()
+t.neg()                                    # must read 1 + 2 = 3 on both ranks
+c = torch.full((3,), float(rank))
+c.sum()
+dist.broadcast(c, src=1, async_op=True).wait()
+c.neg()                                    # rank 1's 1.0 on both ranks
+buf = torch.zeros(2)
+buf.sum()
+if rank == 0:
+    dist.irecv(buf, src=1).wait()
+else:
+    dist.isend(torch.full((2,), 7.0), dst=0).wait()
+buf.neg()                                  # 7.0 on rank 0 after the receive
+dist.destroy_process_group()
