@@ -171,6 +171,15 @@ def _other_function(seg_a: Sequence[int], seg_b: Sequence[int], keys_a: Sequence
     return differ
 
 
+def _in_order(result: Pairing, seq_a: Sequence[int], seq_b: Sequence[int]) -> None:
+    """Pair ``seq_a[k]`` with ``seq_b[k]`` for every k (equal lengths), basis ``between-anchors``."""
+    a_to_b, b_to_a, basis_a = result.a_to_b, result.b_to_a, result.basis_a
+    for i, j in zip(seq_a, seq_b, strict=True):
+        a_to_b[i] = j
+        b_to_a[j] = i
+        basis_a[i] = BETWEEN_ANCHORS
+
+
 def _top_level(seg_a: range, seg_b: range, keys_a: Sequence[int], keys_b: Sequence[int],
                sites_a: Sequence[int], sites_b: Sequence[int], inputs_a: Sequence[int], inputs_b: Sequence[int],
                nested_a: Sequence[int], nested_b: Sequence[int], edited: set[int], result: Pairing) -> bool:
@@ -187,23 +196,16 @@ def _top_level(seg_a: range, seg_b: range, keys_a: Sequence[int], keys_b: Sequen
     differ = _other_function(top_a, top_b, keys_a, keys_b, sites_a, sites_b, inputs_a, inputs_b, edited)
     if differ is None:
         return False
-    a_to_b, b_to_a, basis_a = result.a_to_b, result.b_to_a, result.basis_a
-    for i, j in zip(top_a, top_b, strict=True):
-        a_to_b[i] = j
-        b_to_a[j] = i
-        basis_a[i] = BETWEEN_ANCHORS
+    _in_order(result, top_a, top_b)
     for k in differ:
-        basis_a[top_a[k]] = FUNCTION_DIFFERS
+        result.basis_a[top_a[k]] = FUNCTION_DIFFERS
     # the nested runs: before the first top-level operation, then after each one
     starts_a, starts_b = [seg_a.start - 1, *top_a], [seg_b.start - 1, *top_b]
     ends_a, ends_b = [*top_a, seg_a.stop], [*top_b, seg_b.stop]
     for a0, a1, b0, b1 in zip(starts_a, ends_a, starts_b, ends_b, strict=True):
         run_a, run_b = range(a0 + 1, a1), range(b0 + 1, b1)
         if len(run_a) == len(run_b) and all(keys_a[i] == keys_b[j] for i, j in zip(run_a, run_b, strict=True)):
-            for i, j in zip(run_a, run_b, strict=True):
-                a_to_b[i] = j
-                b_to_a[j] = i
-                basis_a[i] = BETWEEN_ANCHORS
+            _in_order(result, run_a, run_b)
         else:
             for i in run_a:
                 result.reason_a[i] = NESTED_CALLS_DIFFER
@@ -226,10 +228,7 @@ def _one_sided(seg_a: range, seg_b: range, keys_a: Sequence[int], keys_b: Sequen
         return False
     if any(keys_a[i] != keys_b[j] for i, j in zip(rest_a, rest_b, strict=True)):
         return False
-    for i, j in zip(rest_a, rest_b, strict=True):
-        result.a_to_b[i] = j
-        result.b_to_a[j] = i
-        result.basis_a[i] = BETWEEN_ANCHORS
+    _in_order(result, rest_a, rest_b)
     for i in seg_a:
         if result.a_to_b[i] < 0:
             result.reason_a[i] = NOT_IN_OTHER_SEGMENT
@@ -289,18 +288,12 @@ def pair_streams(keys_a: Sequence[int], keys_b: Sequence[int],
         seg_a = range(a0 + 1, a1)
         seg_b = range(b0 + 1, b1)
         if len(seg_a) == len(seg_b) and all(keys_a[i] == keys_b[j] for i, j in zip(seg_a, seg_b, strict=True)):
-            for i, j in zip(seg_a, seg_b, strict=True):
-                a_to_b[i] = j
-                b_to_a[j] = i
-                basis_a[i] = BETWEEN_ANCHORS
+            _in_order(result, seg_a, seg_b)
             continue
         if sites_a is not None and sites_b is not None and inputs_a is not None and inputs_b is not None:
             differ = _other_function(seg_a, seg_b, keys_a, keys_b, sites_a, sites_b, inputs_a, inputs_b, edited)
             if differ is not None:
-                for i, j in zip(seg_a, seg_b, strict=True):
-                    a_to_b[i] = j
-                    b_to_a[j] = i
-                    basis_a[i] = BETWEEN_ANCHORS
+                _in_order(result, seg_a, seg_b)
                 for k in differ:
                     basis_a[seg_a[k]] = FUNCTION_DIFFERS
                 continue
