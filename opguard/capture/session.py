@@ -330,7 +330,7 @@ class Session:
         conj, neg = t.is_conj(), t.is_neg()
         if conj or neg:  # a lazy conjugate/negative view: another content than its memory holds
             key = (*key, conj, neg)
-        if want_stats and self._at:  # an output: written in its storage (see _wrote)
+        if want_stats and fresh and self._at:  # a write (an input object as output, §5.3): see _wrote
             region = _region(t, key[0])
             if region in self._at:
                 self._wrote(region, key)
@@ -478,8 +478,9 @@ class Session:
             at_all[region] = [key]
         else:
             at.append(key)
-            if len(at) > 8:
-                at[:] = [k for k in at if k in cache]
+            n = len(at)
+            if n > 8 and not n & (n - 1):  # pruned at 16, 32, 64, ... keys: amortised O(1) per key (a
+                at[:] = [k for k in at if k in cache]  # storage's views all alive stay listed)
         if len(cache) > CACHE_ENTRIES:
             self._forget(next(iter(cache)))  # the oldest entry (dicts keep insertion order)
 
@@ -614,7 +615,7 @@ class Session:
             return None
         ptr = t.data_ptr()
         key = (ptr, n, dtype, _CPU, version)
-        if output and self._at:
+        if output and fresh and self._at:  # a write (an input object as output); a view op writes nothing
             region = _region(t, ptr)
             if region in self._at:
                 self._wrote(region, key)
@@ -673,7 +674,7 @@ class Session:
         size = t.shape
         stride = t.stride()
         key = (ptr, size, stride, dtype, _CPU, version)
-        if output and self._at:
+        if output and fresh and self._at:  # a write (an input object as output); a view op writes nothing
             region = _region(t, ptr)
             if region in self._at:
                 self._wrote(region, key)
