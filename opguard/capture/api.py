@@ -19,7 +19,7 @@ import torch
 from torch.nn.modules import module as nn_module
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-from opguard.capture.collectives import Collectives
+from opguard.capture.collectives import Collectives, collectives
 from opguard.capture.dispatch import AtenMode, tag_outputs
 from opguard.capture.mode import CaptureMode
 from opguard.capture.optim import OptimizerSteps
@@ -184,7 +184,8 @@ class Capture:
     def __init__(self, options: CaptureOptions, env: dict[str, str] | None = None) -> None:
         self.options = options
         self.session = Session(options, env)
-        self.mode = CaptureMode(self.session, tag_outputs if options.level == "dispatch" else None)
+        self.mode = CaptureMode(self.session, tag_outputs if options.level == "dispatch" else None,
+                                frozenset(f"torch.distributed.distributed_c10d.{n}" for n in collectives()))
         self.aten = AtenMode(self.session) if options.level == "dispatch" else None
         self.modules = ModulePaths(self.session)
         self.collectives = Collectives(self.session)

@@ -85,6 +85,26 @@ _written_get = records._written.get
 _isfinite = math.isfinite
 
 
+def _unselected(s: Session, name: str, func: Any, args: Sequence[Any], kwargs: Mapping[str, Any],
+                result: Any) -> Any:
+    """After a call that is not recorded because a filter (steps, functions, modules, contexts) left it
+    out: what it wrote is still seen (§5.3), so the records that are selected keep true digests (an
+    in-place write through ``p.data`` moves no version counter). Returns ``result``."""
+    try:
+        ts: list[Any] = [result] if args and result is args[0] and isinstance(result, torch.Tensor) else []
+        written = _written_get(name)
+        if written is None:
+            written = records.written_slots(name, func)
+        if written:
+            ts.extend(a for i, a in enumerate(args) if f"arg{i}" in written or (i == 0 and "self" in written))
+            ts.extend(v for k, v in kwargs.items() if k in written)
+        if ts:
+            s.written_unrecorded(ts)
+    except Exception as err:
+        s.failed("recording", err)
+    return result
+
+
 def _grew(inputs: list[dict[str, Any]], outs: list[tuple[str, Any]]) -> bool:
     """A ``resize_`` that made its tensor larger: the new elements are whatever the allocator left."""
     if not inputs or not outs or not isinstance(outs[0][1], torch.Tensor):
@@ -149,8 +169,12 @@ def split_args(args: Sequence[Any], kwargs: Mapping[str, Any], method: bool
 
 
 class CaptureMode(TorchFunctionMode):
-    def __init__(self, session: Session, on_output: Callable[[Call, Any], None] | None = None) -> None:
+    def __init__(self, session: Session, on_output: Callable[[Call, Any], None] | None = None,
+                 c10d: frozenset[str] = frozenset()) -> None:
         super().__init__()
+        # torch.distributed.distributed_c10d.<collective>: called by library code through the module's
+        # own globals, not through capture's torch.distributed wrappers (collectives.py)
+        self.c10d = c10d
         self.session = session
         self.nested = session.options.nested
         self.noise = session.options.record_noise
@@ -207,9 +231,10 @@ class CaptureMode(TorchFunctionMode):
             except Exception as err:
                 s.failed("recording", err)
         if ((kind and (kind == records.METADATA or (kind == records.NOISE and not self.noise))) or s.cap_reached
-                or s.closed
-                or not (s.all_steps or s.step in s.options.steps)):  # not s.active, without the calls
+                or s.closed):
             return via(func, args, kwargs)
+        if not (s.all_steps or s.step in s.options.steps):  # a step left out: its writes are still seen
+            return _unselected(s, name, func, args, kwargs, via(func, args, kwargs))
         # only Python-level torch functions call other torch functions: re-enter the mode for them
         reenter = self.nested and isinstance(func, pytypes.FunctionType)
         call: Call | None = None
@@ -240,8 +265,8 @@ class CaptureMode(TorchFunctionMode):
                     dump_out = True
         except Exception as err:
             s.failed("recording", err, call)
-        if call is None and not reenter:
-            return via(func, args, kwargs)
+        if call is None and not reenter:  # left out by a filter (or capture's own failure)
+            return _unselected(s, name, func, args, kwargs, via(func, args, kwargs))
         if call is not None:
             s.parents.append(call.rec["seq"])
         try:
@@ -262,7 +287,7 @@ class CaptureMode(TorchFunctionMode):
             if call is not None:
                 s.parents.pop()
         if call is None:
-            return result
+            return _unselected(s, name, func, args, kwargs, result)
         if (kind == records.CONVERSION and not self.noise and not dump_out and args and result is args[0]
                 and s.drop(call)):  # a conversion that returned its input: it computed nothing (§3.5)
             return result
@@ -271,6 +296,11 @@ class CaptureMode(TorchFunctionMode):
                 outs = [("out", result)] if type(result) is _Tensor else list(tensors_in(result, "out"))
                 if result is None and name == "Tensor.__setitem__" and args and isinstance(args[0], _Tensor):
                     outs = [("self", args[0])]  # what the assignment wrote: self after the call (§3.1)
+                elif name in self.c10d and ins:  # a collective called by library code (DTensor, DCP, object
+                    if kwargs.get("async_op") or name.endswith(("isend", "irecv")):  # collectives): §3.2
+                        s.written_unrecorded([t for _, t in ins])  # written at wait(): read again at next use
+                    else:
+                        outs.extend(ins)  # every tensor argument after the call, as derived collectives
                 elif ins:  # every argument the function wrote is an output (in-place ones, running statistics)
                     written = _written_get(name)
                     if written is None:

@@ -196,7 +196,13 @@ class OptimizerSteps:
             _push_mode(step.popped)
             step.popped = None
         call = step.call
-        if call is None:
+        if call is None:  # not recorded (a filter left it out): what it wrote is still seen (§5.3)
+            try:
+                s.written_unrecorded([*(p for g in step.opt.param_groups for p in g["params"]),
+                                      *(v for st in step.opt.state.values() if isinstance(st, dict)
+                                        for v in st.values())])
+            except Exception as err:
+                s.failed("recording", err)
             return
         step.call = None
         s.busy += 1

@@ -324,3 +324,40 @@ def test_parameter_names_are_stable_complete_and_unique(tmp_path: Path) -> None:
     oc.name_modules(a, "net")
     oc.name_modules(b, "net")
     assert _step_slots(tmp_path / "d", two_roots) == [["net.weight", "net.bias", "net.weight#2", "net.bias#2"]]
+
+
+class _DataSGD(torch.optim.Optimizer):
+    """A program's own optimizer that updates parameters through ``p.data`` (no version change)."""
+
+    def __init__(self, params: Any, lr: float) -> None:
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.data.add_(p.grad.data, alpha=-group["lr"])
+
+
+@pytest.mark.parametrize("select", [{"steps": "0,2"}, {"functions": "torch.nn.functional.*"}])
+def test_records_left_out_by_a_filter_do_not_leave_stale_digests(tmp_path: Path, select: dict[str, str]) -> None:
+    """A filter that leaves out the optimizer step (or the ``p.data`` writes of one) must not change
+    the digests of the records it keeps: the step's writes, which move no version counter, were not
+    seen, so step 2's linear was recorded with step 0's weight digest."""
+    from tests.capture.test_capture import oc_digest
+
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(3, 2)
+    opt = _DataSGD(lin.parameters(), lr=0.5)
+    x = torch.randn(4, 3)
+    expect = {}
+    with oc.capture(env={"OPGUARD_TRACE_OUTPUT_BASE": str(tmp_path)}, **select) as cap:
+        for i in range(3):
+            expect[i] = oc_digest(lin.weight.detach().clone())
+            opt.zero_grad()
+            lin(x).sum().backward()
+            opt.step()
+    got = {r["step"]: r["inputs"][1]["digest"] for r in ops(read_trace(cap.path))
+           if r["fn"] == "torch.nn.functional.linear"}
+    assert got == {i: expect[i] for i in got} and len(got) == (2 if "steps" in select else 3)

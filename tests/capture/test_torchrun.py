@@ -122,7 +122,9 @@ def test_async_collectives_results_are_read_after_wait(tmp_path: Path) -> None:
     """``all_reduce``/``broadcast`` with ``async_op=True`` and ``irecv``: gloo writes their tensors
     without moving a version counter, and their records carry no outputs (``async``). The first use
     after ``wait()`` was recorded with the digest from before the call (rank-specific instead of the
-    reduced content); the written tensors are now read from memory at their next use."""
+    reduced content); the written tensors are now read from memory at their next use. A collective
+    called through ``distributed_c10d``'s own globals (DTensor's ``distribute_tensor``, DCP, object
+    collectives) has its tensor arguments as outputs."""
     import torch
 
     from opguard.capture.digest import Digester, finish
@@ -141,7 +143,11 @@ def test_async_collectives_results_are_read_after_wait(tmp_path: Path) -> None:
         negs = [r["inputs"][0]["digest"] for r in ops(read_trace(trace_dir(base, rank))) if r["fn"] == "Tensor.neg"]
         expect = [digest(torch.full((4,), 3.0)), digest(torch.full((3,), 1.0))]
         expect.append(digest(torch.full((2,), 7.0) if rank == 0 else torch.zeros(2)))
+        expect.append(digest(torch.ones(2)))  # distributed_c10d.broadcast, called as library code calls it
         assert negs == expect, rank
+        lib = [r for r in ops(read_trace(trace_dir(base, rank)))
+               if r["fn"] == "torch.distributed.distributed_c10d.broadcast"]
+        assert [e["digest"] for e in lib[0]["outputs"]] == [digest(torch.ones(2))], rank
 
 
 def test_staging_round_trip_restores_the_traces(staging_env: dict[str, str], tmp_path: Path) -> None:

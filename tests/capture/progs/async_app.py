@@ -1,5 +1,6 @@
 """Two gloo ranks: collectives issued with async_op=True (and irecv), their results read after
-wait(). gloo writes them without moving any version counter (tests/capture/test_torchrun.py)."""
+wait(), and a collective called the way library code calls it; gloo writes them without moving any
+version counter (tests/capture/test_torchrun.py)."""
 
 import torch
 import torch.distributed as dist
@@ -21,4 +22,12 @@ if rank == 0:
 else:
     dist.isend(torch.full((2,), 7.0), dst=0).wait()
 buf.neg()                                  # 7.0 on rank 0 after the receive
+# library code (DTensor, DCP, object collectives) calls distributed_c10d's functions directly, not
+# through the torch.distributed attributes capture wraps
+from torch.distributed import distributed_c10d  # noqa: E402
+
+w = torch.full((2,), float(rank))
+w.sum()
+distributed_c10d.broadcast(w, src=1)
+w.neg()                                    # rank 1's 1.0 on both ranks
 dist.destroy_process_group()
