@@ -40,6 +40,7 @@ from opguard.capture import records
 from opguard.capture.frames import standin
 from opguard.capture.session import ANY as _ANY
 from opguard.capture.session import Call, Session
+from opguard.staging.layout import capture_dump_slot
 
 _OPS = (torch._ops.OpOverload, torch._ops.OpOverloadPacket)
 _compiling = torch.compiler.is_dynamo_compiling  # False in eager code, True while Dynamo traces
@@ -329,7 +330,7 @@ class CaptureMode(TorchFunctionMode):
                                 ent = None
                         put(ent if ent is not None else entry(call, slot, t, True, fresh=wrote))
                 if dump_out:
-                    s.dump(call.rec["seq"], [(f"{slot}", t) for slot, t in outs])
+                    s.dump(call.rec["seq"], [(capture_dump_slot(slot, True), t) for slot, t in outs])
                 if self.on_output is not None:
                     self.on_output(call, outs)
         except Exception as err:

@@ -23,6 +23,7 @@ from opguard.compare.protoenc import N_SMALL as _NU
 from opguard.compare.protoenc import SMALL_VARINTS as _U
 from opguard.compare.protoenc import F, uv, varint
 from opguard.compare.records import Arg, Record, RecordSite, Slot, capture_args, capture_stats
+from opguard.staging.layout import capture_dump_slot
 
 SLOTS, SAME_AS_OTHER = "slots", "same as other"   # docs/compare.md §5: B's slots equal A's in every field
 
@@ -248,8 +249,8 @@ class OpEncoder:
                 b = h[0] + pre + v + h[1]
             else:
                 b = h[0] + h[1]
-            if dumps is not None:
-                dump = dumps.get(name)
+            if dumps is not None:  # an output named like an input it wrote: out.<slot> (capture §7)
+                dump = dumps.get(capture_dump_slot(name, True) if kind == "outputs" else name)
                 if dump is not None:
                     b += self._sb("dump", dump.encode())
             st = s.get("stats")

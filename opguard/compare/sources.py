@@ -53,6 +53,7 @@ from opguard.staging.layout import (
     CAPTURE_SOURCES_FILE,
     CAPTURE_TRACE_FILE,
     NODE_COPY_DIRNAME,
+    capture_dump_slot,
 )
 from opguard.staging.names import parse_rank_stream
 from opguard.staging.writers import parse_segment
@@ -209,8 +210,10 @@ class Stream:
         dumps = self.dumps
         if dumps and rec.seq in dumps:
             slots = dumps[rec.seq]
-            for slot in (*rec.inputs, *rec.outputs):
+            for slot in rec.inputs:
                 slot.dump = slots.get(slot.name)
+            for slot in rec.outputs:  # an output named like an input it wrote: out.<slot> (capture §7)
+                slot.dump = slots.get(capture_dump_slot(slot.name, True))
         return rec
 
     def records(self, first: int = 0, start: tuple[int, int] = (0, 0)) -> Iterator[Record]:

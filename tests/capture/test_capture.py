@@ -907,3 +907,24 @@ def test_a_growing_resize_is_uninitialised(out_env: dict[str, str]) -> None:
     assert grow.get("uninitialized") is True and grow["digest"] is None
     assert shrink.get("uninitialized") is None
     assert shrink["digest"] == oc_digest(torch.tensor([0, 1, 2, 3, 1, 1, 1, 1.0]))
+
+
+def test_an_output_named_like_an_input_has_its_own_dump(out_env: dict[str, str]) -> None:
+    """``F.batch_norm``'s ``arg1`` (running_mean) is an input and, written, an output (§3.1): both were
+    dumped to ``<seq>-arg1.pt``, the output overwriting the input's value from before the call (its
+    dump record's sha256 no longer matched the file). The output's dump is ``out.arg1``."""
+    import hashlib
+
+    torch.manual_seed(0)
+    bn, x = torch.nn.BatchNorm1d(3), torch.randn(4, 3)
+    with oc.capture(env=out_env, dump_steps="0", dump_filter="*.batch_norm") as cap:
+        bn(x)
+    recs = read_trace(cap.path)
+    seq = next(r["seq"] for r in ops(recs) if r["fn"] == "torch.nn.functional.batch_norm")
+    dumps = {r["slot"]: r for r in recs if r["kind"] == "dump" and r["seq"] == seq}
+    assert {"arg1", "out.arg1", "arg2", "out.arg2", "out"} <= set(dumps)
+    for d in dumps.values():
+        assert hashlib.sha256((cap.path.parent / d["path"]).read_bytes()).hexdigest() == d["sha256"], d
+    before = torch.load(cap.path.parent / dumps["arg1"]["path"])
+    after = torch.load(cap.path.parent / dumps["out.arg1"]["path"])
+    assert torch.equal(before, torch.zeros(3)) and torch.equal(after, bn.running_mean)
