@@ -29,10 +29,10 @@ def tag_outputs(call: Call, outs: list[tuple[str, torch.Tensor]]) -> None:
     rec = call.rec
     ident = {k: rec[k] for k in ("seq", "fn", "file", "line", "func", "src", "site", "module")}
     for _slot, t in outs:
-        gf: Any = t.grad_fn
-        if gf is None:
-            continue
-        try:
+        try:  # reading grad_fn raises on a view made under no_grad of a tensor that requires grad
+            gf: Any = t.grad_fn
+            if gf is None:
+                continue
             meta = gf.metadata
             old = meta.get(META_KEY)
             # the node's producer is the outermost call that created it: a nested child (larger seq)

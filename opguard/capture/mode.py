@@ -81,7 +81,8 @@ _names_get = records._names.get
 _UNINITIALIZED_FNS = records.UNINITIALIZED_FNS
 _SHARES_MEMORY = records.SHARES_MEMORY_FNS
 _GROWS = records.GROWS_FNS
-_SPECIAL = _SHARES_MEMORY | {"Tensor.data"}  # names that need a look before the call (one set test per call)
+# names that need a look before the call (one set test per call)
+_SPECIAL = _SHARES_MEMORY | {"Tensor.data", "Tensor.share_memory_"}
 _written_get = records._written.get
 _isfinite = math.isfinite
 
@@ -224,6 +225,13 @@ class CaptureMode(TorchFunctionMode):
             s.failed("recording", err)
             return via(func, args, kwargs)
         if name in _SPECIAL and args:
+            if name == "Tensor.share_memory_":  # moves t to shared memory, which other processes write
+                result = via(func, args, kwargs)  # (computes nothing: not recorded)
+                try:
+                    s.shared(args[0])
+                except Exception as err:
+                    s.failed("recording", err)
+                return result
             try:
                 if name in _SHARES_MEMORY:  # t.numpy(), np.asarray(t): numpy can write t's memory now (§5.3)
                     s.shared(args[0])
@@ -262,7 +270,7 @@ class CaptureMode(TorchFunctionMode):
                             ent = None
                     put(ent if ent is not None else entry(call, slot, t, False))
                 if s.policy.enabled and not s.parents and s.policy.wants(s.step, name, module, context, site):
-                    s.dump(call.rec["seq"], ins)
+                    s.dump(call.rec["seq"], [(capture_dump_slot(slot, False), t) for slot, t in ins])
                     dump_out = True
         except Exception as err:
             s.failed("recording", err, call)

@@ -76,11 +76,17 @@ def _dense(t: torch.Tensor) -> bool:
 
 FUNCTORCH_REASON = "torch.func wrapper: no storage of its own"
 _is_functorch_wrapped = getattr(getattr(torch._C, "_functorch", None), "is_functorch_wrapped_tensor", None)
+_is_batched = getattr(getattr(torch._C, "_functorch", None), "is_batchedtensor", None)
 
 
 def _functorch_wrapper(t: torch.Tensor) -> bool:
+    """A torch.func wrapper or a batched tensor (``vmap``; the legacy batching of ``is_grads_batched``
+    and ``jacobian(vectorize=True)``): no storage of its own, nothing to digest or dump."""
     try:
-        return bool(_is_functorch_wrapped is not None and _is_functorch_wrapped(t))
+        return bool((_is_functorch_wrapped is not None and _is_functorch_wrapped(t))
+                    or (_is_batched is not None and _is_batched(t))
+                    # the legacy batching's dispatch key, not in torch._C.DispatchKey: read from its printed set
+                    or "Batched" in str(torch._C._dispatch_keys(t)))
     except Exception:
         return False
 
@@ -919,7 +925,7 @@ class Session:
 
     def dump(self, seq: int, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         for slot, t in tensors:
-            if records.plain_data_reason(t) is not None:
+            if records.plain_data_reason(t) is not None or _functorch_wrapper(t):  # nothing of its own to save
                 continue
             self.busy += 1
             try:

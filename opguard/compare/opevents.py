@@ -250,7 +250,7 @@ class OpEncoder:
             else:
                 b = h[0] + h[1]
             if dumps is not None:  # an output named like an input it wrote: out.<slot> (capture §7)
-                dump = dumps.get(capture_dump_slot(name, True) if kind == "outputs" else name)
+                dump = dumps.get(capture_dump_slot(name, kind == "outputs"))
                 if dump is not None:
                     b += self._sb("dump", dump.encode())
             st = s.get("stats")

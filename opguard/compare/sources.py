@@ -210,9 +210,9 @@ class Stream:
         dumps = self.dumps
         if dumps and rec.seq in dumps:
             slots = dumps[rec.seq]
-            for slot in rec.inputs:
-                slot.dump = slots.get(slot.name)
-            for slot in rec.outputs:  # an output named like an input it wrote: out.<slot> (capture §7)
+            for slot in rec.inputs:  # names that never collide (capture §7): out=<input> is in.out
+                slot.dump = slots.get(capture_dump_slot(slot.name, False))
+            for slot in rec.outputs:  # an output named like an input it wrote: out.<slot>
                 slot.dump = slots.get(capture_dump_slot(slot.name, True))
         return rec
 

@@ -36,10 +36,13 @@ CAPTURE_SOURCES_FILE = "sources.json"
 
 
 def capture_dump_slot(slot: str, output: bool) -> str:
-    """The slot a capture tensor dump is named and recorded by (docs/capture.md §7): an input's own;
-    an output's own when it starts with ``out``, else ``out.<slot>`` (an output named like the input
-    it wrote, ``self`` or ``arg1``, whose input dump keeps the value before the call)."""
-    return slot if not output or slot.startswith("out") else f"out.{slot}"
+    """The slot a capture tensor dump is named and recorded by (docs/capture.md §7), so an input's and
+    an output's never collide: an output's own when it starts with ``out``, else ``out.<slot>`` (an
+    output named like the input it wrote, ``self`` or ``arg1``); an input's own, except ``in.<slot>``
+    when it starts with ``out`` (an ``out=`` argument: its value before the call)."""
+    if output:
+        return slot if slot.startswith("out") else f"out.{slot}"
+    return f"in.{slot}" if slot.startswith("out") else slot
 # stream IDs (§2): rank-<R:06d> and node-<node ID>; parsed by ``names.parse_stream``
 RANK_STREAM_PREFIX = "rank-"
 NODE_STREAM_PREFIX = "node-"

@@ -928,3 +928,67 @@ def test_an_output_named_like_an_input_has_its_own_dump(out_env: dict[str, str])
     before = torch.load(cap.path.parent / dumps["arg1"]["path"])
     after = torch.load(cap.path.parent / dumps["out.arg1"]["path"])
     assert torch.equal(before, torch.zeros(3)) and torch.equal(after, bn.running_mean)
+
+
+def test_an_out_argument_and_the_output_have_their_own_dumps(out_env: dict[str, str]) -> None:
+    """``torch.add(a, b, out=c)``: the input ``out`` (its value before the call) and the output ``out``
+    both went to ``<seq>-out.pt``; the input's dump is ``in.out`` now (§7)."""
+    import hashlib
+
+    a, b, c = torch.ones(3), torch.full((3,), 2.0), torch.zeros(3)
+    with oc.capture(env=out_env, dump_steps="0", dump_filter="torch.add") as cap:
+        torch.add(a, b, out=c)
+    recs = read_trace(cap.path)
+    dumps = {r["slot"]: r for r in recs if r["kind"] == "dump"}
+    assert set(dumps) == {"arg0", "arg1", "in.out", "out"}
+    for d in dumps.values():
+        assert hashlib.sha256((cap.path.parent / d["path"]).read_bytes()).hexdigest() == d["sha256"], d
+    assert torch.equal(torch.load(cap.path.parent / dumps["in.out"]["path"]), torch.zeros(3))
+    assert torch.equal(torch.load(cap.path.parent / dumps["out"]["path"]), torch.full((3,), 3.0))
+
+
+def test_torch_func_and_batched_tensors_are_no_capture_failure(out_env: dict[str, str],
+                                                              capfd: pytest.CaptureFixture[str]) -> None:
+    """Inside ``jacrev`` with dumps on, and for batched gradients (``jacobian(vectorize=True)``), capture
+    reported its own failures ('Cannot access storage of TensorWrapper', 'summarising ... failed'):
+    such tensors have no storage of their own; they get the torch.func reason and no dump."""
+    from opguard.capture.session import FUNCTORCH_REASON
+
+    x = torch.ones(3)
+    with oc.capture(env=out_env, dump_steps="0") as cap:
+        torch.func.jacrev(lambda v: v.sin())(x)
+        torch.autograd.functional.jacobian(lambda v: v.exp(), x, vectorize=True)
+    recs = read_trace(cap.path)
+    assert not [r["capture_error"] for r in recs if r.get("capture_error")]
+    reasons = {e.get("reason") for r in ops(recs) for e in (*r["inputs"], *r["outputs"]) if e.get("digest") is None}
+    assert "summary failed" not in str(reasons) and FUNCTORCH_REASON in reasons
+    assert "failed" not in capfd.readouterr().err
+
+
+def test_dispatch_level_writes_to_no_grad_views_are_no_capture_failure(out_env: dict[str, str],
+                                                                      capfd: pytest.CaptureFixture[str]) -> None:
+    """At the dispatch level, reading ``grad_fn`` of a view made under no_grad of a tensor that
+    requires grad raises: ``nn.Embedding(padding_idx=0)`` (its init fills the row through such a
+    view) made capture report its own recording failure on every such record."""
+    with oc.capture(env=out_env, level="dispatch") as cap:
+        torch.nn.Embedding(5, 3, padding_idx=0)
+        p = torch.nn.Parameter(torch.zeros(8))
+        with torch.no_grad():
+            p[0:4].copy_(torch.ones(4))
+    assert not [r for r in read_trace(cap.path) if r.get("capture_error")]
+    assert "failed" not in capfd.readouterr().err
+
+
+def test_shared_memory_is_read_at_every_use(out_env: dict[str, str]) -> None:
+    """``t.share_memory_()``: other processes (Hogwild, spawned workers) write that memory without any
+    torch op capture sees; it is never served from the digest cache (a write through the storage
+    stands in for another process's here)."""
+    t = torch.zeros(4)
+    with oc.capture(env=out_env) as cap:
+        t.share_memory_()
+        t.neg()
+        t.untyped_storage().fill_(1)   # not a torch function: not seen, like another process's write
+        t.neg()
+    negs = [r["inputs"][0]["digest"] for r in ops(read_trace(cap.path)) if r["fn"] == "Tensor.neg"]
+    ones_bytes = torch.frombuffer(bytearray(b"\x01" * 16), dtype=torch.float32)
+    assert negs == [oc_digest(torch.zeros(4)), oc_digest(ones_bytes)]
