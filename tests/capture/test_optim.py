@@ -326,20 +326,6 @@ def test_parameter_names_are_stable_complete_and_unique(tmp_path: Path) -> None:
     assert _step_slots(tmp_path / "d", two_roots) == [["net.weight", "net.bias", "net.weight#2", "net.bias#2"]]
 
 
-class _DataSGD(torch.optim.Optimizer):
-    """A program's own optimizer that updates parameters through ``p.data`` (no version change)."""
-
-    def __init__(self, params: Any, lr: float) -> None:
-        super().__init__(params, {"lr": lr})
-
-    @torch.no_grad()
-    def step(self, closure: Any = None) -> None:
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is not None:
-                    p.data.add_(p.grad.data, alpha=-group["lr"])
-
-
 @pytest.mark.parametrize("select", [{"steps": "0,2"}, {"functions": "torch.nn.functional.*"}])
 def test_records_left_out_by_a_filter_do_not_leave_stale_digests(tmp_path: Path, select: dict[str, str]) -> None:
     """A filter that leaves out the optimizer step (or the ``p.data`` writes of one) must not change
