@@ -494,8 +494,8 @@ class Session:
         self._cache.pop(key).dead = True
 
     def _wrote(self, region: int, key: tuple[Any, ...]) -> None:
-        """A recorded output was written in the storage starting at ``region`` (content version
-        ``key``): every other cached content of that storage is stale. Views share their base's
+        """A recorded write landed in the storage starting at ``region`` (content version ``key``):
+        every other cached content of that storage is stale. Views share their base's
         version counter, so a write through one changes every key anyway; this catches writes
         through an alias with a counter of its own, at any offset (``p.data.mul_(...)``,
         ``p.data[i].fill_(...)``, ``p.data[i] = v``, which leave ``p._version`` as it was)."""
@@ -522,10 +522,7 @@ class Session:
             self._shared[region] = weakref.ref(t)
         except TypeError:
             return
-        for k in self._at.pop(region, None) or ():
-            s = self._cache.pop(k, None)
-            if s is not None:
-                s.dead = True
+        self._drop_storage(region)
         if len(self._shared) > CACHE_ENTRIES:
             self._shared = {r: ref for r, ref in self._shared.items() if ref() is not None}
             while len(self._shared) > CACHE_ENTRIES:
@@ -546,10 +543,15 @@ class Session:
                 region = _region(t, ptr)
                 self._uninit.pop(region, None)
                 self._uninit.pop(ptr, None)
-                for k in self._at.pop(region, None) or ():
-                    s = self._cache.pop(k, None)
-                    if s is not None:
-                        s.dead = True
+                self._drop_storage(region)
+
+    def _drop_storage(self, region: int) -> None:
+        """Drop every cached content of the storage starting at ``region`` (and mark it stale for the
+        same-object records holding it): its next use is digested from memory."""
+        for k in self._at.pop(region, None) or ():
+            s = self._cache.pop(k, None)
+            if s is not None:
+                s.dead = True
 
     def rebound(self, t: Any) -> None:
         """``t.data = other`` gives ``t`` another memory, layout or element type with its version
