@@ -101,8 +101,7 @@ class AtenMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
         try:
             if not s.cap_reached:
                 outs = list(tensors_in(result, "out"))
-                written = {a.name for a in func._schema.arguments  # batch norm's running stats: unmarked in some
-                           if (a.alias_info is not None and a.alias_info.is_write) or a.name in records.RUNNING_STATS}
+                written = records.op_writes(func)[1]  # cached per overload (batch norm's running stats too)
                 if written:  # every argument the op wrote is an output (some move no version counter)
                     held = {id(t) for _, t in outs}
                     for slot, t in ins:

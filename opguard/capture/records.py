@@ -140,8 +140,10 @@ _op_writes: dict[Any, tuple[tuple[int, ...], frozenset[str]]] = {}
 
 
 def op_writes(op: Any) -> tuple[tuple[int, ...], frozenset[str]]:
-    """(positions, keyword names) of the arguments a ``torch.ops`` operator writes (its schema's
-    ``alias_info.is_write``; every overload of a packet), cached per operator; nothing when unknown."""
+    """(positions, names) of the arguments a ``torch.ops`` operator or ATen overload writes (its
+    schema's ``alias_info.is_write``, and :data:`RUNNING_STATS`; every overload of a packet), cached
+    per operator; nothing when unknown. The dispatch level's written outputs and the function
+    level's unrecorded ``torch.ops`` calls both read it."""
     try:
         hit = _op_writes.get(op)
     except TypeError:
@@ -155,7 +157,7 @@ def op_writes(op: Any) -> tuple[tuple[int, ...], frozenset[str]]:
         schemas = [getattr(packet, o)._schema for o in packet.overloads()] if packet is not None else [op._schema]
         for schema in schemas:
             for i, a in enumerate(schema.arguments):
-                if a.alias_info is not None and a.alias_info.is_write:
+                if (a.alias_info is not None and a.alias_info.is_write) or a.name in RUNNING_STATS:
                     names.add(a.name)
                     if not a.kwarg_only:
                         positions.add(i)
