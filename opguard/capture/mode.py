@@ -244,8 +244,10 @@ class CaptureMode(TorchFunctionMode):
             return via(func, args, kwargs)
         if not (s.all_steps or s.step in s.options.steps):  # a step left out: its writes are still seen
             return _unselected(s, name, func, args, kwargs, via(func, args, kwargs))
-        # only Python-level torch functions call other torch functions: re-enter the mode for them
-        reenter = self.nested and isinstance(func, pytypes.FunctionType)
+        # only Python-level torch functions call other torch functions: re-enter the mode for them,
+        # unless the function was found to only forward its call (wrappers.py)
+        wrappers = s.wrappers
+        reenter = self.nested and isinstance(func, pytypes.FunctionType) and func not in wrappers.collapsed
         call: Call | None = None
         ins: list[tuple[str, torch.Tensor]] = []
         dump_out = False
@@ -276,8 +278,12 @@ class CaptureMode(TorchFunctionMode):
             s.failed("recording", err, call)
         if call is None and not reenter:  # left out by a filter (or capture's own failure)
             return _unselected(s, name, func, args, kwargs, via(func, args, kwargs))
+        watch: int | None = None  # a watched wrapper call (wrappers.py): where the records it makes begin
         if call is not None:
             s.parents.append(call.rec["seq"])
+            if reenter and s.select_all and wrappers.watched(func):
+                watch = len(s.pending)
+                wrappers.watching += 1
         try:
             if reenter:
                 inflight.append((func, args[0] if args else None))
@@ -291,10 +297,14 @@ class CaptureMode(TorchFunctionMode):
         except BaseException as e:
             if call is not None:
                 call.rec["error"] = f"{type(e).__name__}: {e}"[:500]
+                if watch is not None:
+                    wrappers.failed(func)
             raise
         finally:
             if call is not None:
                 s.parents.pop()
+                if watch is not None:
+                    wrappers.watching -= 1
         if call is None:
             return _unselected(s, name, func, args, kwargs, result)
         if (kind == records.CONVERSION and not self.noise and not dump_out and args and result is args[0]
@@ -341,8 +351,15 @@ class CaptureMode(TorchFunctionMode):
                     s.dump(call.rec["seq"], [(capture_dump_slot(slot, True), t) for slot, t in outs])
                 if self.on_output is not None:
                     self.on_output(call, outs)
+                if wrappers.watching:  # inside a watched wrapper call: what this call took and gave
+                    call.ids = (frozenset([id(t) for _, t in ins]), frozenset([id(t) for _, t in outs]))
+                if watch is not None:
+                    wrappers.observe(func, name, call, s.pending[watch:], frozenset([id(t) for _, t in ins]),
+                                     frozenset([id(t) for _, t in outs]))
         except Exception as err:
             s.failed("recording", err, call)
+            if watch is not None:
+                wrappers.failed(func)
         if len(s.pending) >= s.buffer and not s.parents:
             s.maybe_flush_contained()
         return result

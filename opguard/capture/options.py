@@ -94,6 +94,7 @@ class CaptureOptions:
     max_mb: float = 1024.0
     buffer: int = 256
     nested: bool = True
+    collapse_wrappers: bool = True
     host_kernel: str = "auto"
     record_noise: bool = False
     step_auto: bool = True
@@ -203,7 +204,7 @@ def _convert(name: str, raw: Any, what: str) -> Any:
             return int(raw)
         except (TypeError, ValueError):
             raise ConfigError(f"{what}={raw!r} is not an integer", f"set {what} to e.g. 256") from None
-    if name in ("nested", "record_noise", "step_auto"):
+    if name in ("nested", "collapse_wrappers", "record_noise", "step_auto"):
         if isinstance(raw, bool):
             return raw
         text = str(raw).strip().lower()

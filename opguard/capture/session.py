@@ -27,6 +27,7 @@ from opguard.capture.digest import ALGORITHM, SAMPLE, Digester, finish, finish_m
 from opguard.capture.dumps import DumpPolicy, matches
 from opguard.capture.options import CaptureOptions
 from opguard.capture.sourceindex import SourceIndex
+from opguard.capture.wrappers import Wrappers
 from opguard.errors import ConfigError
 from opguard.staging.identity import process_identity
 from opguard.staging.layout import (
@@ -185,11 +186,13 @@ def _json_stats(st: dict[str, float | int]) -> dict[str, Any]:
 class Call:
     """A record being built: the JSON dict plus the device results it waits for."""
 
-    __slots__ = ("fills", "rec")
+    __slots__ = ("fills", "ids", "rec")
 
     def __init__(self, rec: dict[str, Any]) -> None:
         self.rec = rec
         self.fills: list[tuple[dict[str, Any], _Summary, bool]] = []
+        # (ids of the tensor inputs, ids of the output tensors): kept only while a wrapper is watched
+        self.ids: tuple[frozenset[int], frozenset[int]] | None = None
 
 
 class Session:
@@ -249,6 +252,7 @@ class Session:
         # (function, first argument or ANY) of the calls being handled, innermost last: the function
         # mode's re-entries and the collective wrappers (mode.py, collectives.py)
         self.inflight: list[tuple[Any, Any]] = []
+        self.wrappers = Wrappers(options.collapse_wrappers and options.nested)  # §3.10
         self.on_cap: list[Any] = []  # callables run when the cap stops interception
         self._failures: set[tuple[str, torch.dtype]] = set()  # summary failures already said on stderr
         self._stage_failures: dict[tuple[str, str], int] = {}  # (stage, exception type) -> count
@@ -1082,6 +1086,8 @@ class Session:
             "cap_reached": self.cap_reached, "dropped": self.dropped, "trace": TRACE,
             "step_source": self.step_source, "notes": self.notes + self._failure_notes(),
             "fast_path_off": self.fast_path_off, "record_noise": self.options.record_noise}
+        if self.wrappers.found:
+            meta["collapsed_wrappers"] = self.wrappers.found
         self._write_atomic(CAPTURE_META_FILE, meta)
 
     def _failure_notes(self) -> list[str]:
@@ -1154,6 +1160,7 @@ class Session:
                 s.ref = None
             for held in (self._cache, self._at, self._seen, self._uninit, self._shared):
                 held.clear()
+            self.wrappers.clear()
 
     def _compile_notes(self) -> None:
         dyn = sys.modules.get("torch._dynamo.utils")

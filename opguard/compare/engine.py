@@ -154,7 +154,22 @@ def _index_capture(stream: Stream, intern: dict[str, int], keys: array[int], lin
     source-line digest."""
     sites: dict[tuple[Any, ...], tuple[int, int, bool, bool, str, int]] = {}
     all_digests = True
+    # the function-level records nested in a call of a function either run collapsed (docs/capture.md
+    # §3.10) are left out: both streams then read as if collapsed from the first call. Records come in
+    # call order, a call's nested records right after it: below = the depth of the call whose nested
+    # records are being left out (-1: none)
+    aside, below = stream.aside, -1
     for fi, n, off, obj in stream.capture_ops():
+        if aside:
+            depth = obj.get("depth") or 0
+            if below >= 0:
+                if depth > below:
+                    if obj.get("api") == "function":
+                        continue
+                else:
+                    below = -1
+            if below < 0 and obj.get("fn") in aside:
+                below = depth
         try:
             raw = (obj["fn"], obj.get("file"), obj.get("line"), obj.get("src"), obj.get("func"), obj.get("module"),
                    obj.get("context"), obj.get("phase"), obj.get("api"))
@@ -638,6 +653,13 @@ def _compare_stream(writer: ExportWriter, sa: Stream, sb: Stream, tracks: tuple[
     n_workers = workers()
     big = n_workers > 1 and not opts.serial and forkpool.available() and sa.kind == sb.kind == KIND_CAPTURE and \
         sum(p.stat().st_size for p in (*sa.files, *sb.files)) > PARALLEL_MIN_OPS * 500
+    if sa.kind == sb.kind == KIND_CAPTURE:  # wrappers either run collapsed: nested records left out (§3.10)
+        sa.aside = sb.aside = sa.collapsed | sb.collapsed
+        if sa.collapsed != sb.collapsed:
+            summ.notes.append(
+                "the runs collapsed different wrapper functions (docs/capture.md §3.10: A "
+                f"{', '.join(sorted(sa.collapsed)) or 'none'}; B {', '.join(sorted(sb.collapsed)) or 'none'}): "
+                "the calls nested in those functions were left out of the pairing on both sides")
     ia, ib = _pass1(sa, sb, intern, big)
     # call-site identities from the line correspondence of each file's two versions (docs/compare.md §2)
     ia.sites, ib.sites, notes = assign_identities(ia.sites, ib.sites, sa.sources.lines, sb.sources.lines)

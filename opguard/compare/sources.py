@@ -79,6 +79,10 @@ class Stream:
     dumps: dict[int, dict[str, str]] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     meta_notes: list[str] = field(default_factory=list)     # from meta.json (schema v2 ``notes``)
+    # functions this run's capture collapsed (meta.json ``collapsed_wrappers``, docs/capture.md §3.10)
+    collapsed: frozenset[str] = frozenset()
+    # functions whose nested function-level records pass 1 leaves out (set by the engine for a stream pair)
+    aside: frozenset[str] = frozenset()
     sites: SiteCache = field(init=False)
 
     def __post_init__(self) -> None:
@@ -293,18 +297,19 @@ def _capture_streams(run: Run, ranks_dir: Path) -> None:
             continue
         rank = rank_or_none
         meta_notes: list[str] = []
-        _check_meta(cap / CAPTURE_META_FILE, rank, meta_notes)
+        collapsed = _check_meta(cap / CAPTURE_META_FILE, rank, meta_notes)
         segs = _segments([p for p in cap.iterdir() if p.is_file()]).get(str(cap / CAPTURE_TRACE_FILE), [])
         run.streams[(rank, CAPTURE_STREAM)] = Stream(KIND_CAPTURE, rank, CAPTURE_STREAM, segs,
                                                      _capture_sources(rank_dir), rank_dir,
-                                                     meta_notes=meta_notes)
+                                                     meta_notes=meta_notes, collapsed=collapsed)
 
 
-def _check_meta(path: Path, rank: int, notes: list[str]) -> None:
+def _check_meta(path: Path, rank: int, notes: list[str]) -> frozenset[str]:
+    """Check a capture's meta.json; its notes into ``notes``; returns the functions it collapsed."""
     try:
         meta = json.loads(path.read_text())
     except FileNotFoundError:
-        return
+        return frozenset()
     except (OSError, ValueError) as e:
         raise ConfigError(f"{path} is unreadable ({e})", "restore the rank directory again") from None
     version = meta.get("version") if isinstance(meta, dict) else None
@@ -316,6 +321,9 @@ def _check_meta(path: Path, rank: int, notes: list[str]) -> None:
     if meta.get("rank") != rank:
         raise ConfigError(f"{path}: rank {meta.get('rank')!r} in the directory of rank {rank}",
                           "a rank directory must hold only its own rank's capture")
+    found = meta.get("collapsed_wrappers")
+    return frozenset(w["fn"] for w in found if isinstance(w, dict) and isinstance(w.get("fn"), str)) \
+        if isinstance(found, list) else frozenset()
 
 
 def _capture_sources(rank_dir: Path) -> SourceCopies:

@@ -7,6 +7,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from opguard.compare.perfetto_export import read_export
 from tests.compare import synth
 from tests.compare.helpers import OPGUARD, ops_of, run_compare
@@ -263,8 +265,9 @@ print(x.sum().item().hex())
 """
 
 
-def _captured_pair(tmp_path: Path, source_a: str, source_b: str) -> dict[str, Path]:
-    """Two real captures (opguard-run --capture python) of two versions of one script, ``swap.py``."""
+def _captured_pair(tmp_path: Path, source_a: str, source_b: str, **extra: str) -> dict[str, Path]:
+    """Two real captures (opguard-run --capture python) of two versions of one script, ``swap.py``
+    (``extra``: more environment variables for both)."""
     import os
     import subprocess
 
@@ -276,26 +279,36 @@ def _captured_pair(tmp_path: Path, source_a: str, source_b: str) -> dict[str, Pa
         src.parent.mkdir()
         src.write_text(text)
         runs[run] = tmp_path / f"run_{run}"
-        env = dict(os.environ, OPGUARD_TRACE_OUTPUT_BASE=str(runs[run]), PATH=f"{BIN}{os.pathsep}{os.environ['PATH']}")
+        env = dict(os.environ, OPGUARD_TRACE_OUTPUT_BASE=str(runs[run]), PATH=f"{BIN}{os.pathsep}{os.environ['PATH']}",
+                   **extra)
         p = subprocess.run([str(BIN / "opguard-run"), "--capture", "python", str(src)], env=env,
                            capture_output=True, text=True, timeout=300)
         assert p.returncode == 0, p.stderr
     return runs
 
 
-def test_a_swapped_function_with_other_nested_calls_is_the_divergence(tmp_path: Path) -> None:
+@pytest.mark.parametrize("collapse", ["1", "0"])
+def test_a_swapped_function_with_other_nested_calls_is_the_divergence(tmp_path: Path, collapse: str) -> None:
     """Real captures of a one-line swap ``F.relu(h)`` -> ``F.gelu(h)`` (opguard-run --capture): F.relu
     records a nested torch.relu, F.gelu nothing, so the loop's segment has other lengths. It used to
     end with 'no divergence among the 3 pairs, but 16 operations could not be paired'; now the
-    top-level calls pair (§2 rule 5, nested calls set aside) and the swap is the first divergence."""
-    runs = _captured_pair(tmp_path, _SWAP.format(act="relu"), _SWAP.format(act="gelu"))
+    top-level calls pair (§2 rule 5, nested calls set aside) and the swap is the first divergence.
+    With wrappers collapsed (the default, docs/capture.md §3.10) A's F.relu is collapsed after its
+    second call, and its nested torch.relu records are left out of the pairing: nothing is unresolved."""
+    runs = _captured_pair(tmp_path, _SWAP.format(act="relu"), _SWAP.format(act="gelu"),
+                          OPGUARD_CAPTURE_COLLAPSE_WRAPPERS=collapse)
     p = run_compare(runs["a"], runs["b"], tmp_path / "v.pftrace", extra=["--json", str(tmp_path / "s.json")])
     assert p.returncode == 0, p.stderr
     fd = json.loads((tmp_path / "s.json").read_text())["ranks"][0]["first_divergence"]
     assert (fd["kind"], fd["function"], fd["function_b"]) == \
         ("function differs", "torch.nn.functional.relu", "torch.nn.functional.gelu"), fd
     assert fd["where"].endswith("swap.py:9"), fd
-    assert "undetermined in A: nested-calls-differ 2" in p.stderr, p.stderr
+    if collapse == "0":
+        assert "undetermined in A: nested-calls-differ 2" in p.stderr, p.stderr
+    else:
+        assert "0 unaligned operations" in p.stderr and "undetermined" not in p.stderr, p.stderr
+        assert "the runs collapsed different wrapper functions (docs/capture.md §3.10: A " \
+               "torch.nn.functional.relu; B none)" in p.stderr, p.stderr
 
 
 def test_a_line_edited_to_make_one_more_call_names_that_call(tmp_path: Path) -> None:
