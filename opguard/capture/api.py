@@ -41,6 +41,35 @@ def name_modules(module: torch.nn.Module, name: str) -> torch.nn.Module:
 
 
 _compiling = torch.compiler.is_dynamo_compiling  # False in eager code, True while Dynamo traces
+
+
+def _step_wrapper_code() -> Any:
+    """The code of the function ``torch.optim`` wraps every ``Optimizer.step`` in (its hooks run
+    inside it); ``None`` when this PyTorch has none."""
+    try:
+        return torch.optim.Optimizer.profile_hook_step(lambda *a, **k: None).__code__
+    except Exception:
+        return None
+
+
+_STEP_WRAPPER = _step_wrapper_code()
+
+
+def _inside_another_step() -> bool:
+    """Whether the optimizer step whose post-hook runs now was called inside another optimizer's
+    step (a wrapper optimizer: ``ZeroRedundancyOptimizer``, Lookahead): two of torch's step
+    wrappers on the stack."""
+    if _STEP_WRAPPER is None:
+        return False
+    f: Any = sys._getframe(2)
+    seen = 0
+    while f is not None:
+        if f.f_code is _STEP_WRAPPER:
+            seen += 1
+            if seen > 1:
+                return True
+        f = f.f_back
+    return False
 # modules that take a fused inference fast path only when no torch function mode is active
 FAST_PATH_MODULES = (torch.nn.TransformerEncoderLayer, torch.nn.MultiheadAttention)
 
@@ -51,7 +80,8 @@ class ModulePaths:
     def __init__(self, session: Session) -> None:
         self.session = session
         self.paths: weakref.WeakKeyDictionary[torch.nn.Module, str] = weakref.WeakKeyDictionary()
-        # provisional paths: module -> (the parent it was resolved under, that parent's path then)
+        # provisional paths: module -> (a weak reference to the parent it was resolved under, that
+        # parent's path then); (None, None) for a root. Weak: the parent holds the module, the key
         self.derived: weakref.WeakKeyDictionary[torch.nn.Module, tuple[Any, str | None]] = weakref.WeakKeyDictionary()
         self.changes = 0  # paths assigned or changed (optimizer parameter names are rebuilt on a change)
         self.by_class: dict[str, list[weakref.ref[torch.nn.Module]]] = {}  # modules named by their class
@@ -75,8 +105,9 @@ class ModulePaths:
         parent = self.running[i] if i >= 0 else None
         if p is not None:
             how = self.derived.get(m)
+            was = how[0]() if how is not None and how[0] is not None else None  # the parent it was resolved under
             if (how is None or (parent is None and how[0] is not None)  # called on its own: keeps its path
-                    or (how[0] is parent and (parent is None or self.paths.get(parent) == how[1]))):
+                    or (was is parent and (parent is None or self.paths.get(parent) == how[1]))):
                 return p
         p = None
         if parent is not None:
@@ -85,7 +116,7 @@ class ModulePaths:
                     above = self._path(parent, i - 1)
                     p = f"{above}.{name}"
                     if parent in self.derived:
-                        self.derived[m] = (parent, above)
+                        self.derived[m] = (weakref.ref(parent), above)
                     else:
                         self.derived.pop(m, None)
                     break
@@ -230,7 +261,7 @@ class Capture:
         if _compiling() or threading.get_ident() != self._thread:
             return
         s = self.session
-        if s.step_source == "marker":
+        if s.step_source == "marker" or _inside_another_step():  # the outer step advances it, once
             return
         try:
             s.advance("optimizer")

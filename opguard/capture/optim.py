@@ -216,6 +216,9 @@ class OptimizerSteps:
                     # fresh: a step may write through .data (p.data.add_(...)), which leaves
                     # p._version as it was; the digests are taken from memory, never the cache
                     s.outputs(call, self._after(step), fresh=True)
+                # and the gradients it read: an old-style step writes them through .data too (d_p =
+                # p.grad.data; d_p.add_(p.data, alpha=wd)): their next use is digested from memory
+                s.written_unrecorded([p.grad for _, p in step.params if p.grad is not None])
         except Exception as err:
             s.failed("recording", err, call)
         finally:

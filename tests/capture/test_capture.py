@@ -845,6 +845,29 @@ def test_two_root_modules_of_one_class_get_distinct_paths(out_env: dict[str, str
     assert mods == ["Sequential.0", "Sequential#2.0", "Softmax"] * 2
 
 
+def test_a_root_module_made_per_iteration_is_not_kept_alive(out_env: dict[str, str]) -> None:
+    """A root ``Sequential`` made anew per iteration (a sweep, k-fold) stayed alive under capture: the
+    provisional path of its child held the parent strongly (the parent holds the child, the weak
+    key). The program printed 'modules still alive: 4' only under capture, with every model's
+    parameters in memory; and each got a new number (``Sequential#4``) instead of reusing one."""
+    import gc
+    import weakref
+
+    x = torch.randn(4, 3)
+    refs = []
+    with oc.capture(env=out_env) as cap:
+        for _ in range(4):
+            head = torch.nn.Sequential(torch.nn.Linear(3, 2))
+            head(x)
+            refs.append(weakref.ref(head))
+            del head
+            gc.collect()
+        alive = sum(r() is not None for r in refs)
+    assert alive == 0
+    mods = [r["module"] for r in ops(read_trace(cap.path)) if r["fn"] == "torch.nn.functional.linear"]
+    assert mods == ["Sequential.0"] * 4
+
+
 def test_swap_tensors_works_under_capture(out_env: dict[str, str]) -> None:
     """``torch.utils.swap_tensors`` refuses a tensor with weak references, and capture's digest cache
     held one to every tensor it summarised: swapping failed only under capture ('Cannot swap t1

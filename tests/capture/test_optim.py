@@ -199,6 +199,70 @@ def test_a_step_writing_through_data_records_the_parameters_it_left(tmp_path: Pa
     assert before != after == lin[1]["inputs"][1]["digest"]   # the update is seen, and the next forward reads it
 
 
+class _OldStyleSGD(torch.optim.Optimizer):
+    """Weight decay written into the gradient through ``.data`` (``d_p = p.grad.data``): no version change."""
+
+    def __init__(self, params: Any, lr: float, wd: float) -> None:
+        super().__init__(params, {"lr": lr, "wd": wd})
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:
+        for group in self.param_groups:
+            for p in group["params"]:
+                d_p = p.grad.data
+                d_p.add_(p.data, alpha=group["wd"])
+                p.data.add_(d_p, alpha=-group["lr"])
+
+
+def test_a_gradient_written_through_data_inside_the_step_is_read_again(tmp_path: Path) -> None:
+    """The step record's gradients are inputs; a step that wrote them through ``.data`` left their
+    cached digests in place, so the next use (``p.grad.sum()``, ``zero_grad(set_to_none=False)``'s
+    ``zero_``) was recorded with the gradient from before the step."""
+    model = _model()
+    opt = _OldStyleSGD(model.parameters(), lr=0.1, wd=0.5)
+    x = torch.randn(6, 4)
+    with oc.capture(env={"OPGUARD_TRACE_OUTPUT_BASE": str(tmp_path)}) as cap:
+        model(x).pow(2).mean().backward()
+        g = model[0].weight.grad
+        g.sum()
+        opt.step()
+        g.sum()
+        g.clone()  # its output is digested from memory: the content now
+    op = ops(read_trace(cap.path))
+    sums = [r for r in op if r["fn"] == "Tensor.sum"]
+    clone = next(r for r in op if r["fn"] == "Tensor.clone")
+    assert sums[0]["inputs"][0]["digest"] != sums[1]["inputs"][0]["digest"]
+    assert sums[1]["inputs"][0]["digest"] == clone["outputs"][0]["digest"]
+
+
+class _Wrapping(torch.optim.Optimizer):
+    """A wrapper optimizer (ZeroRedundancyOptimizer, Lookahead): its step steps an inner one."""
+
+    def __init__(self, params: Any, **kw: Any) -> None:
+        self.inner = torch.optim.SGD(params, **kw)
+        super().__init__(self.inner.param_groups, kw)
+
+    def step(self, closure: Any = None) -> None:
+        self.inner.step()
+
+
+@pytest.mark.parametrize("optimizer", ["step", "ops"])
+def test_a_wrapper_optimizer_advances_the_step_once(tmp_path: Path, optimizer: str) -> None:
+    """The inner optimizer's post-hook advanced the step too: 3 iterations made steps 0-6, the outer
+    record's nested collectives (ZeroRedundancyOptimizer's broadcasts) landed in the next step, and
+    OPGUARD_CAPTURE_STEPS=1 matched nothing of iteration 1."""
+    model = _model()
+    opt = _Wrapping(model.parameters(), lr=0.1)
+    with oc.capture(env={"OPGUARD_TRACE_OUTPUT_BASE": str(tmp_path)}, optimizer=optimizer) as cap:
+        _train(model, opt, steps=3)
+    recs = read_trace(cap.path)
+    assert [r["step"] for r in recs if r["kind"] == "step"] == [1, 2, 3]
+    lin = [r["step"] for r in ops(recs) if r["fn"] == "torch.nn.functional.linear" and r["module"] == "Sequential.0"]
+    assert lin == [0, 1, 2]
+    if optimizer == "step":
+        assert [r["step"] for r in ops(recs) if r["api"] == "optimizer"] == [0, 1, 2]
+
+
 def test_a_step_in_another_thread_leaves_this_threads_capture_alone(tmp_path: Path) -> None:
     """Capture records the thread that started it (the mode stack is per thread); an optimizer
     stepped by another thread meanwhile must not silence this thread's calls."""
