@@ -70,6 +70,9 @@ def source_digest(text: str) -> str:
 UNKNOWN = Site(-1, "<unknown>", 0, "<unknown>", EMPTY_SHA, "")
 
 
+_MAX_AT = 1 << 16  # sites by instruction kept (cleared when full: generated code can make many)
+
+
 class SiteTable:
     """Every call site seen by this process, numbered in order of first appearance."""
 
@@ -77,6 +80,8 @@ class SiteTable:
         self._internal: dict[CodeType, int] = {}  # 0 user code, 1 library code, 2 internal
         self._sites: dict[tuple[CodeType, int], Site] = {}
         self._by_place: dict[tuple[str, int, str], Site] = {}
+        # (code, instruction offset) of a user frame -> its site: the line is not computed again
+        self._at: dict[tuple[CodeType, int], Site] = {}
         self.sites: list[Site] = []
         self.files: set[str] = set()
         self.dirty = False
@@ -92,6 +97,10 @@ class SiteTable:
 
     def lookup(self, frame: FrameType | None) -> Site:
         """The site of the innermost user frame at or above ``frame`` (else the innermost library frame)."""
+        if frame is not None:  # a user frame seen at this instruction before: its site (no line computed)
+            hit = self._at.get((frame.f_code, frame.f_lasti))
+            if hit is not None:
+                return hit
         kinds = self._internal
         fallback: FrameType | None = None
         while frame is not None:
@@ -114,6 +123,10 @@ class SiteTable:
         if site is None:
             site = self._new(code, frame.f_lineno)
             self._sites[key] = site
+        if not kinds[code]:  # a user frame: its site by instruction from now on
+            if len(self._at) >= _MAX_AT:
+                self._at.clear()
+            self._at[(code, frame.f_lasti)] = site
         return site
 
     def here(self, depth: int = 1) -> Site:

@@ -151,11 +151,14 @@ def _written_outputs(written: frozenset[str], ins: list[tuple[str, torch.Tensor]
     result does not already hold: written without a version change (``found_inf`` of
     ``torch._amp_foreach_non_finite_check_and_unscale_``, batch norm's running statistics) or
     returned as nothing (§3.1)."""
-    held = {id(t) for _, t in outs}
+    held: set[int] | None = None  # built at the first written slot (most calls have none: only out=)
     for slot, t in ins:
-        if (slot in written or slot.partition(".")[0] in written) and id(t) not in held:
-            outs.append((slot, t))
-            held.add(id(t))
+        if slot in written or ("." in slot and slot.partition(".")[0] in written):
+            if held is None:
+                held = {id(x) for _, x in outs}
+            if id(t) not in held:
+                outs.append((slot, t))
+                held.add(id(t))
 
 
 def split_args(args: Sequence[Any], kwargs: Mapping[str, Any], method: bool
