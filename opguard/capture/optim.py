@@ -35,7 +35,7 @@ from __future__ import annotations
 import sys
 import threading
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from types import FrameType
 from typing import Any
 
@@ -199,7 +199,7 @@ class OptimizerSteps:
         if call is None:  # not recorded (a filter left it out): what it wrote is still seen (§5.3)
             try:
                 s.written_unrecorded([*(p for g in step.opt.param_groups for p in g["params"]),
-                                      *(v for st in step.opt.state.values() if isinstance(st, dict)
+                                      *(v for st in _State(step.opt).values() if isinstance(st, dict)
                                         for v in st.values())])
             except Exception as err:
                 s.failed("recording", err)
@@ -229,7 +229,7 @@ class OptimizerSteps:
     def _before(self, opt: Any, step: OpenStep) -> Iterator[tuple[str, Any]]:
         """(slot, value) of every setting, parameter, gradient and state value the step reads."""
         names = self._param_names(opt)
-        state = opt.state
+        state = _State(opt)
         used: dict[str, int] = {}
         for g, group in enumerate(opt.param_groups):
             for k, v in group.items():
@@ -253,7 +253,7 @@ class OptimizerSteps:
     @staticmethod
     def _after(step: OpenStep) -> list[tuple[str, torch.Tensor]]:
         """(slot, tensor) of every parameter the step updated and its state tensors, now."""
-        state = step.opt.state
+        state = _State(step.opt)
         outs: list[tuple[str, torch.Tensor]] = []
         for slot, p in step.params:
             outs.append((slot, p))
@@ -279,6 +279,32 @@ class OptimizerSteps:
                 names.setdefault(id(p), f"{path}.{n}")
         self._names[opt] = (modules.changes, names)
         return names
+
+
+class _State:
+    """An optimizer's state per parameter; for a wrapper optimizer that keeps none of its own
+    (``ZeroRedundancyOptimizer.optim``, a Lookahead's inner optimizer), the state of the optimizers
+    it holds as attributes (one level)."""
+
+    def __init__(self, opt: Any) -> None:
+        self.own = getattr(opt, "state", None)
+        self.inner = [v.state for v in vars(opt).values()
+                      if isinstance(v, torch.optim.Optimizer) and v is not opt] if hasattr(opt, "__dict__") else []
+
+    def get(self, p: Any) -> Any:
+        st = self.own.get(p) if isinstance(self.own, Mapping) else None
+        if st:
+            return st
+        for inner in self.inner:
+            st = inner.get(p)
+            if st:
+                return st
+        return None
+
+    def values(self) -> Iterator[Any]:
+        """Every parameter's state (its own and the held optimizers')."""
+        for held in ([self.own] if isinstance(self.own, Mapping) else []) + self.inner:
+            yield from held.values()
 
 
 def _items(state: Any) -> list[tuple[str, Any]]:

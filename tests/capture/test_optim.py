@@ -239,7 +239,7 @@ class _Wrapping(torch.optim.Optimizer):
     """A wrapper optimizer (ZeroRedundancyOptimizer, Lookahead): its step steps an inner one."""
 
     def __init__(self, params: Any, **kw: Any) -> None:
-        self.inner = torch.optim.SGD(params, **kw)
+        self.inner = torch.optim.SGD(params, momentum=0.9, **kw)
         super().__init__(self.inner.param_groups, kw)
 
     def step(self, closure: Any = None) -> None:
@@ -260,7 +260,14 @@ def test_a_wrapper_optimizer_advances_the_step_once(tmp_path: Path, optimizer: s
     lin = [r["step"] for r in ops(recs) if r["fn"] == "torch.nn.functional.linear" and r["module"] == "Sequential.0"]
     assert lin == [0, 1, 2]
     if optimizer == "step":
-        assert [r["step"] for r in ops(recs) if r["api"] == "optimizer"] == [0, 1, 2]
+        steps = [r for r in ops(recs) if r["api"] == "optimizer"]
+        assert [r["step"] for r in steps] == [0, 1, 2]
+        # the inner optimizer's state (the wrapper keeps none): momentum buffers from the second step on
+        assert not any(e["slot"].endswith(".momentum_buffer") for e in steps[0]["inputs"])
+        for r in steps[1:]:
+            assert {e["slot"] for e in r["inputs"] if e["slot"].endswith(".momentum_buffer")} == {
+                f"Sequential.{i}.{n}.momentum_buffer" for i in (0, 2) for n in ("weight", "bias")}
+        assert {e["slot"] for e in steps[0]["outputs"] if e["slot"].endswith(".momentum_buffer")}
 
 
 def test_a_step_in_another_thread_leaves_this_threads_capture_alone(tmp_path: Path) -> None:
