@@ -45,6 +45,10 @@ if TYPE_CHECKING:  # psutil and the sidecar load after the command started (star
 PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
 DRAIN_PROGRESS_S = 2.0
+# after the command exits, a process of its tree that exits because the command did (multiprocessing's
+# resource tracker reads EOF from the command's end of a pipe) is gone within milliseconds: what is
+# still alive this long after is a leftover, said on stderr and terminated
+LEFTOVER_SETTLE_S = 1.0
 TREE_REFRESH_S = 5.0  # the subreaper keeps orphans in the tree; the snapshot is a second net
 # After an early drain request the wrapper drains back to back until the command exits; a drain that
 # found nothing new waits this long before the next (a scan of an idle staging base costs little, and
@@ -195,6 +199,7 @@ class TreeWatcher:
         self.timers, self.grace, self.say, self.report, self.sync_pid = timers, grace, say, report, sync_pid
         self.tree = ProcessTree()
         self.killed = False
+        self.settle_until: float | None = None  # the command exited with processes left: checked again then
 
     def _exclude(self) -> set[int]:
         pid = self.sync_pid()
@@ -207,11 +212,22 @@ class TreeWatcher:
         # after the command exited, leftovers are watched closely (orphans give no pidfd)
         self.timers["tree"] = now + (0.2 if child_exited else TREE_REFRESH_S)
         if child_exited:
-            self.tree.alive()
+            left = self.tree.alive()
+            if self.settle_until is not None and now >= self.settle_until:
+                self.settle_until = None
+                self._terminate(left, now)
 
     def on_child_exit(self, now: float) -> None:
+        """Processes left when the command exits get LEFTOVER_SETTLE_S to exit on their own (checked
+        every 0.2 s by :meth:`step`); what is still alive then is terminated."""
         self.tree.refresh(self._exclude())
-        left = self.tree.alive()
+        if self.tree.alive():
+            self.settle_until = now + LEFTOVER_SETTLE_S
+            self.timers["tree"] = now + 0.2
+        elif not self.killed:
+            self.timers["kill"] = None
+
+    def _terminate(self, left: list[psutil.Process], now: float) -> None:
         if left:
             self.say(f"opguard-run: the child exited; terminating {len(left)} process(es) left in its tree "
                      f"(pids {', '.join(str(p.pid) for p in left[:8])}), SIGKILL after {self.grace:g} s")

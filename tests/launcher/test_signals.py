@@ -220,6 +220,24 @@ def test_orphaned_grandchild_does_not_outlive_the_wrapper(staging_env: dict[str,
     assert "left in its tree" in r.stderr
 
 
+def test_a_process_that_exits_with_the_command_is_not_a_leftover(staging_env: dict[str, str]) -> None:
+    """multiprocessing's resource tracker (started by any spawn-context lock or queue: every
+    ``torch.multiprocessing.spawn`` program) exits when it reads EOF from the command, a few
+    milliseconds after the command. It was announced as 'terminating 1 process(es) left in its tree'
+    on every such run; now what exits on its own within LEFTOVER_SETTLE_S is no leftover."""
+    env = {**staging_env, "OPGUARD_LOCAL_DUMP_ENABLED": "0"}
+    code = ("import multiprocessing as mp, os, sys\n"
+            "mp.get_context('spawn').Lock()\n"
+            "from multiprocessing import resource_tracker as rt\n"
+            "print(rt._resource_tracker._pid, flush=True)\n"
+            "sys.exit(3)\n")
+    r = subprocess.run([OPGUARD_RUN, PY, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 3, r.stderr
+    tracker = int(r.stdout.split()[0])
+    assert not pid_alive(tracker)
+    assert "left in its tree" not in r.stderr, r.stderr
+
+
 def test_bad_signal_option(staging_env: dict[str, str]) -> None:
     r = subprocess.run([OPGUARD_RUN, "--forward-signals", "TERM,KILL", PY, "-c", "pass"], env=staging_env,
                        capture_output=True, text=True, timeout=60)
