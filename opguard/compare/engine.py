@@ -28,6 +28,7 @@ from opguard.compare.diff import MISMATCH, OK, UNALIGNED, Diff, diff_pair
 from opguard.compare.linemap import NO_COUNTERPART, assign_identities
 from opguard.compare.opevents import OpEncoder
 from opguard.compare.pairing import (
+    EDITED_LINE_CALLS,
     FUNCTION_DIFFERS,
     NO_ANCHOR,
     NO_CORRESPONDING_FILE,
@@ -574,7 +575,8 @@ def _run_rows(job: _Job, r0: int, r1: int, writer: ExportWriter) -> _Chunk:
         out.last_unresolved = f"run {side.run} {site.function} at {loc} ({side.rid(k).decode()}, {reason})"
         if out.first_unresolved is None:
             out.first_unresolved = out.last_unresolved
-        if out.first_new_b is None and i < 0 and (site.line_map == NO_COUNTERPART or reason == NOT_IN_OTHER_SEGMENT):
+        if out.first_new_b is None and i < 0 and (site.line_map == NO_COUNTERPART or reason in (
+                NOT_IN_OTHER_SEGMENT, EDITED_LINE_CALLS)):
             out.first_new_b = out.last_unresolved  # B's first operation A does not make (a new line, a new call)
         if pairs_out is not None:
             pairs_out.write(json.dumps({**head, "row": row, "status": UNALIGNED, "reason": reason,
@@ -673,10 +675,18 @@ def _compare_stream(writer: ExportWriter, sa: Stream, sb: Stream, tracks: tuple[
     else:       # call sites without the function, for a function that differs at the same call site
         rel: dict[str, int] = {}
         site_a, site_b = ([_intern(rel, f"{s.site}\x00{s.context}") for s in idx.sites] for idx in (ia, ib))
+        line_a = [_intern(rel, f"{s.site}\x01") for s in ia.sites]  # the identity alone: an edited line
+        # operations on lines the source diff says were edited (B: edited in place or new; A: edited)
+        edited_b = [s.line_map is not None and (s.line_map == NO_COUNTERPART or s.line_map.startswith("edited"))
+                    for s in ib.sites]
+        edited_ids = {s.site for s, e in zip(ib.sites, edited_b, strict=True) if e}
+        edited_a = [s.site in edited_ids for s in ia.sites]
         pairing = pair_streams(ia.keys, ib.keys, ia.anchors, ib.anchors,
                                array("q", map(site_a.__getitem__, ia.site_ids)),
                                array("q", map(site_b.__getitem__, ib.site_ids)), ia.inputs, ib.inputs,
-                               ia.nested, ib.nested)
+                               ia.nested, ib.nested, array("q", map(line_a.__getitem__, ia.site_ids)),
+                               bytearray(map(edited_a.__getitem__, ia.site_ids)),
+                               bytearray(map(edited_b.__getitem__, ib.site_ids)))
     summ.ops_a, summ.ops_b = len(ia.keys), len(ib.keys)
     summ.notes.extend([*(f"run A: {n}" for n in sa.notes), *(f"run B: {n}" for n in sb.notes)])
     rows_a, rows_b = pairing.row_arrays()

@@ -46,8 +46,9 @@ ANCHOR_ORDER_CONFLICT = "anchor-order-conflict"
 REJECTED_BY_MAP = "rejected-by-alignment-map"
 NESTED_CALLS_DIFFER = "nested-calls-differ"
 NOT_IN_OTHER_SEGMENT = "not-in-other-segment"
+EDITED_LINE_CALLS = "edited-line-calls"
 REASONS = (NO_CORRESPONDING_FILE, SEGMENT_DIFFERS, NO_COUNTERPART_IN_SEGMENT, ANCHOR_ORDER_CONFLICT,
-           REJECTED_BY_MAP, NESTED_CALLS_DIFFER, NOT_IN_OTHER_SEGMENT)
+           REJECTED_BY_MAP, NESTED_CALLS_DIFFER, NOT_IN_OTHER_SEGMENT, EDITED_LINE_CALLS)
 
 NO_ANCHOR = 0
 
@@ -145,28 +146,32 @@ def _unique(anchors: Sequence[int]) -> dict[int, int]:
 
 def _other_function(seg_a: Sequence[int], seg_b: Sequence[int], keys_a: Sequence[int], keys_b: Sequence[int],
                     sites_a: Sequence[int], sites_b: Sequence[int], inputs_a: Sequence[int],
-                    inputs_b: Sequence[int], edited: set[int]) -> list[int] | None:
+                    inputs_b: Sequence[int], edited: set[int], lines_a: Sequence[int] | None = None
+                    ) -> list[int] | None:
     """docs/compare.md §2 rule 5: a segment whose call-site keys differ only in the function, at
     call sites (keys without the function) equal position by position, pairs in order when every
-    position whose function differs is at a call site established as calling another function —
-    by that position's captured inputs being equal (then it is established, also for later
-    segments: ``edited``) or by an earlier segment. Returns the positions (in the segment) whose
-    function differs, or None when the segment does not pair this way."""
+    position whose function differs is on a line established as calling another function — by the
+    captured inputs of one such position on that line being equal (then it is established, also
+    for later segments: ``edited``) or by an earlier segment. A line is established for every
+    module and context that runs it (``lines_a``: each operation's call-site identity without the
+    context; block 0's call with equal inputs establishes the line for block 1, whose inputs
+    already differ). Returns the positions (in the segment) whose function differs, or None when
+    the segment does not pair this way."""
     if len(seg_a) != len(seg_b) or not seg_a:
         return None
+    line_of = sites_a if lines_a is None else lines_a
     differ: list[int] = []
     new: set[int] = set()
     for k, (i, j) in enumerate(zip(seg_a, seg_b, strict=True)):
         if keys_a[i] == keys_b[j]:
             continue
-        site = sites_a[i]
-        if site != sites_b[j]:
+        if sites_a[i] != sites_b[j]:
             return None
-        if site not in edited and site not in new:
-            if inputs_a[i] == NO_ANCHOR or inputs_a[i] != inputs_b[j]:
-                return None
-            new.add(site)
         differ.append(k)
+        if inputs_a[i] != NO_ANCHOR and inputs_a[i] == inputs_b[j]:
+            new.add(line_of[i])
+    if any(line_of[seg_a[k]] not in edited and line_of[seg_a[k]] not in new for k in differ):
+        return None
     edited.update(new)
     return differ
 
@@ -182,7 +187,8 @@ def _in_order(result: Pairing, seq_a: Sequence[int], seq_b: Sequence[int]) -> No
 
 def _top_level(seg_a: range, seg_b: range, keys_a: Sequence[int], keys_b: Sequence[int],
                sites_a: Sequence[int], sites_b: Sequence[int], inputs_a: Sequence[int], inputs_b: Sequence[int],
-               nested_a: Sequence[int], nested_b: Sequence[int], edited: set[int], result: Pairing) -> bool:
+               nested_a: Sequence[int], nested_b: Sequence[int], edited: set[int], result: Pairing,
+               lines_a: Sequence[int] | None = None) -> bool:
     """docs/compare.md §2 rule 5, nested calls set aside: a function that differs at a call site can
     make other nested calls (``F.relu`` records a nested ``torch.relu``, ``F.gelu`` none), so the
     segment's lengths differ. When the segment's *top-level* operations (depth 0) pair by rule 5,
@@ -193,7 +199,7 @@ def _top_level(seg_a: range, seg_b: range, keys_a: Sequence[int], keys_b: Sequen
     top_b = [j for j in seg_b if not nested_b[j]]
     if not top_a or (len(top_a) == len(seg_a) and len(top_b) == len(seg_b)):
         return False
-    differ = _other_function(top_a, top_b, keys_a, keys_b, sites_a, sites_b, inputs_a, inputs_b, edited)
+    differ = _other_function(top_a, top_b, keys_a, keys_b, sites_a, sites_b, inputs_a, inputs_b, edited, lines_a)
     if differ is None:
         return False
     _in_order(result, top_a, top_b)
@@ -238,18 +244,61 @@ def _one_sided(seg_a: range, seg_b: range, keys_a: Sequence[int], keys_b: Sequen
     return True
 
 
+def _edited_lines(seg_a: range, seg_b: range, keys_a: Sequence[int], keys_b: Sequence[int],
+                  changed_a: Sequence[int], changed_b: Sequence[int], result: Pairing) -> bool:
+    """docs/compare.md §2 rule 7, calls on an edited line: walk both sides in order; equal keys pair,
+    and where they differ B's operation is set aside when it is on an edited line (``changed_b``),
+    else A's (``changed_a``); what is left at the end must be on edited lines too. The set-aside
+    operations stay unresolved (``edited-line-calls``). False (nothing paired) when the walk meets
+    two different keys neither of which is on an edited line, or nothing was set aside."""
+    i, j, ia, jb = seg_a.start, seg_b.start, seg_a.stop, seg_b.stop
+    pairs: list[tuple[int, int]] = []
+    aside_a: list[int] = []
+    aside_b: list[int] = []
+    while i < ia and j < jb:
+        if keys_a[i] == keys_b[j]:
+            pairs.append((i, j))
+            i += 1
+            j += 1
+        elif changed_b[j]:
+            aside_b.append(j)
+            j += 1
+        elif changed_a[i]:
+            aside_a.append(i)
+            i += 1
+        else:
+            return False
+    if not all(changed_a[k] for k in range(i, ia)) or not all(changed_b[k] for k in range(j, jb)):
+        return False
+    aside_a.extend(range(i, ia))
+    aside_b.extend(range(j, jb))
+    if not pairs or not (aside_a or aside_b):
+        return False
+    _in_order(result, [p for p, _ in pairs], [q for _, q in pairs])
+    for k in aside_a:
+        result.reason_a[k] = EDITED_LINE_CALLS
+    for k in aside_b:
+        result.reason_b[k] = EDITED_LINE_CALLS
+    return True
+
+
 def pair_streams(keys_a: Sequence[int], keys_b: Sequence[int],
                  anchors_a: Sequence[int], anchors_b: Sequence[int],
                  sites_a: Sequence[int] | None = None, sites_b: Sequence[int] | None = None,
                  inputs_a: Sequence[int] | None = None, inputs_b: Sequence[int] | None = None,
-                 nested_a: Sequence[int] | None = None, nested_b: Sequence[int] | None = None) -> Pairing:
+                 nested_a: Sequence[int] | None = None, nested_b: Sequence[int] | None = None,
+                 lines_a: Sequence[int] | None = None, changed_a: Sequence[int] | None = None,
+                 changed_b: Sequence[int] | None = None) -> Pairing:
     """Pair two streams given their call-site keys and anchor keys (``NO_ANCHOR`` = none).
 
     ``sites_*`` (call-site keys without the function) and ``inputs_*`` (captured-input keys without
     the function, ``NO_ANCHOR`` = none), when given, let a segment whose function differs at the
     same call site pair (basis ``function-differs``, :func:`_other_function`); ``nested_*`` (1 for an
     operation made inside another recorded one) let it pair by its top-level operations when the
-    functions that differ make different nested calls (:func:`_top_level`)."""
+    functions that differ make different nested calls (:func:`_top_level`); ``lines_a`` (A's call-site
+    identities without the context) let one call on an edited line establish it for every module
+    that runs the line; ``changed_*`` (1 for an operation on a line the source diff says was edited)
+    let a segment pair around the calls an edited line makes in other numbers (:func:`_edited_lines`)."""
     na, nb = len(keys_a), len(keys_b)
     a_to_b = array("q", [-1]) * na
     b_to_a = array("q", [-1]) * nb
@@ -291,7 +340,8 @@ def pair_streams(keys_a: Sequence[int], keys_b: Sequence[int],
             _in_order(result, seg_a, seg_b)
             continue
         if sites_a is not None and sites_b is not None and inputs_a is not None and inputs_b is not None:
-            differ = _other_function(seg_a, seg_b, keys_a, keys_b, sites_a, sites_b, inputs_a, inputs_b, edited)
+            differ = _other_function(seg_a, seg_b, keys_a, keys_b, sites_a, sites_b, inputs_a, inputs_b, edited,
+                                     lines_a)
             if differ is not None:
                 _in_order(result, seg_a, seg_b)
                 for k in differ:
@@ -299,9 +349,20 @@ def pair_streams(keys_a: Sequence[int], keys_b: Sequence[int],
                 continue
             if nested_a is not None and nested_b is not None and _top_level(
                     seg_a, seg_b, keys_a, keys_b, sites_a, sites_b, inputs_a, inputs_b, nested_a, nested_b, edited,
-                    result):
+                    result, lines_a):
                 continue
         if seg_a and seg_b and _one_sided(seg_a, seg_b, keys_a, keys_b, result):
+            # an operation whose unique input match was dropped by the order filter is not a call the
+            # other run lacks: it has a counterpart elsewhere (two independent calls swapped)
+            for i in conflict_a.intersection(seg_a):
+                if a_to_b[i] < 0:
+                    reason_a[i] = ANCHOR_ORDER_CONFLICT
+            for j in conflict_b.intersection(seg_b):
+                if b_to_a[j] < 0:
+                    reason_b[j] = ANCHOR_ORDER_CONFLICT
+            continue
+        if seg_a and seg_b and changed_a is not None and changed_b is not None and _edited_lines(
+                seg_a, seg_b, keys_a, keys_b, changed_a, changed_b, result):
             continue
         why = NO_COUNTERPART_IN_SEGMENT if (not seg_a or not seg_b) else SEGMENT_DIFFERS
         for i in seg_a:

@@ -324,3 +324,88 @@ def test_a_line_edited_to_make_one_more_call_names_that_call(tmp_path: Path) -> 
     assert rank["first_new_in_b"].startswith("run B Tensor.mul at ") and "swap.py:10 " in rank["first_new_in_b"]
     assert rank["first_new_in_b"].endswith(", not-in-other-segment)")
     assert "undetermined in B: not-in-other-segment 2" in p.stderr and "undetermined in A" not in p.stderr, p.stderr
+
+
+_BLOCKS = """import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+torch.manual_seed(0)
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.fc(x)
+        h = F.{act}(h){extra}
+        return torch.tanh(x + h)
+
+
+net = nn.Sequential(Block(), Block(), Block())
+opt = torch.optim.SGD(net.parameters(), lr=0.1)
+x = torch.randn(4, 8)
+for step in range(2):
+    loss = net(x).pow(2).mean()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+print(loss.item())
+"""
+
+
+def test_a_swapped_function_in_every_block_is_the_divergence(tmp_path: Path) -> None:
+    """``F.gelu(h)`` -> ``F.silu(h)`` in a block used three times: block 0's call has equal inputs and
+    establishes the edited line, but blocks 1 and 2 (other module contexts, inputs already different)
+    were not, so the segment stayed unpaired and no 'function differs' was reported in any model of
+    more than one layer. The line is established for every module that runs it (§2 rule 5)."""
+    runs = _captured_pair(tmp_path, _BLOCKS.format(act="gelu", extra=""), _BLOCKS.format(act="silu", extra=""))
+    p = run_compare(runs["a"], runs["b"], tmp_path / "v.pftrace", extra=["--json", str(tmp_path / "s.json")])
+    assert p.returncode == 0, p.stderr
+    rank = json.loads((tmp_path / "s.json").read_text())["ranks"][0]
+    fd = rank["first_divergence"]
+    assert (fd["kind"], fd["function"], fd["function_b"]) == \
+        ("function differs", "torch.nn.functional.gelu", "torch.nn.functional.silu"), fd
+    assert fd["where"].endswith("swap.py:15") and fd["module"] == "Sequential.0", fd
+    assert rank["basis"]["function-differs"] >= 3 * 2, rank["basis"]  # every block, both steps
+
+
+def test_one_more_call_on_an_edited_line_leaves_the_rest_paired(tmp_path: Path) -> None:
+    """``h = F.gelu(h) + 0.5`` -> ``h = F.gelu(h) + 0.5 + h``: the edited line makes one more
+    ``Tensor.add`` than before, a key both runs have (rule 6 does not apply). Every later operation stayed unpaired
+    (segment-differs) and the summary named A's next unchanged call; now the extra calls on the
+    edited line are set aside (edited-line-calls, §2 rule 7), the rest pairs, and the summary names
+    B's first of them."""
+    runs = _captured_pair(tmp_path, _BLOCKS.format(act="gelu", extra=" + 0.5"),
+                          _BLOCKS.format(act="gelu", extra=" + 0.5 + h"))
+    p = run_compare(runs["a"], runs["b"], tmp_path / "v.pftrace", extra=["--json", str(tmp_path / "s.json")])
+    assert p.returncode == 0, p.stderr
+    rank = json.loads((tmp_path / "s.json").read_text())["ranks"][0]
+    assert rank["undetermined_b"] == {"edited-line-calls": 3 * 2} and rank["undetermined_a"] == {}, rank
+    assert rank["unaligned"] == 6 and rank["pairs"] == rank["ops_a"], rank
+    assert "run B Tensor.add at" in rank["first_new_in_b"] and "swap.py:15" in rank["first_new_in_b"], rank
+
+
+def test_two_independent_calls_swapped_are_an_order_conflict_not_a_new_call(tmp_path: Path) -> None:
+    """``tok(idx) + pos(ar)`` -> ``pos(ar) + tok(idx)``: both runs make both calls with equal inputs.
+    The one whose anchor the order filter dropped was named 'B's first operation A does not make'
+    (not-in-other-segment); it is an anchor-order-conflict (§3)."""
+    src = """import torch
+import torch.nn as nn
+
+torch.manual_seed(0)
+tok = nn.Embedding(10, 4)
+pos = nn.Embedding(6, 4)
+idx = torch.randint(0, 10, (2, 6))
+x = {expr}
+print(torch.tanh(x).sum().item())
+"""
+    runs = _captured_pair(tmp_path, src.format(expr="tok(idx) + pos(torch.arange(6))"),
+                          src.format(expr="pos(torch.arange(6)) + tok(idx)"))
+    p = run_compare(runs["a"], runs["b"], tmp_path / "v.pftrace", extra=["--json", str(tmp_path / "s.json")])
+    assert p.returncode == 0, p.stderr
+    rank = json.loads((tmp_path / "s.json").read_text())["ranks"][0]
+    assert rank["first_new_in_b"] is None, rank
+    assert set(rank["undetermined_b"]) == set(rank["undetermined_a"]) == {"anchor-order-conflict"}, rank
