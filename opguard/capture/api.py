@@ -43,6 +43,14 @@ def name_modules(module: torch.nn.Module, name: str) -> torch.nn.Module:
 _compiling = torch.compiler.is_dynamo_compiling  # False in eager code, True while Dynamo traces
 
 
+def _mha_fast_path_enabled() -> bool:
+    """``torch.backends.mha.get_fastpath_enabled()`` (True where this PyTorch has no such switch)."""
+    try:
+        return bool(torch.backends.mha.get_fastpath_enabled())
+    except AttributeError:
+        return True
+
+
 def _step_wrapper_code() -> Any:
     """The code of the function ``torch.optim`` wraps every ``Optimizer.step`` in (its hooks run
     inside it); ``None`` when this PyTorch has none."""
@@ -180,8 +188,8 @@ class ModulePaths:
         (``has_torch_function``): when the other conditions PyTorch checks first hold (autograd off
         or no input/parameter requiring grad), capture moved it off that path: say so once."""
         s = self.session
-        if path in s.fast_path_off or not s.active:
-            return
+        if path in s.fast_path_off or not s.active or not _mha_fast_path_enabled():
+            return  # the program switched the fast path off itself: it is not capture that moved it
         tensors = [a for a in args if isinstance(a, torch.Tensor)] if isinstance(args, tuple) else []
         if not tensors or tensors[0].dim() != 3:
             return

@@ -84,7 +84,11 @@ class AtenMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
                 _split(v, k, ins, xs)
             if xs:
                 rec["args"] = xs
-            s.inputs(call, ins)
+            s.busy += 1  # capture's own tensor reads (t.is_neg(), ...): the function mode is still on the stack
+            try:
+                s.inputs(call, ins)
+            finally:
+                s.busy -= 1
         except Exception as err:
             s.failed("recording", err, call)
         if call is None:
@@ -108,12 +112,16 @@ class AtenMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
                         if slot.partition(".")[0] in written and id(t) not in held:
                             outs.append((slot, t))
                             held.add(id(t))
-                if name in records.UNINITIALIZED_FNS:
-                    s.outputs(call, outs, uninitialized=True)
-                else:  # an input object as output (in-place, out=): a write, digested from memory (§5.3)
-                    put = rec["outputs"].append
-                    for slot, t in outs:
-                        put(s.entry(call, slot, t, True, fresh=any(t is x for _, x in ins)))
+                s.busy += 1
+                try:
+                    if name in records.UNINITIALIZED_FNS:
+                        s.outputs(call, outs, uninitialized=True)
+                    else:  # an input object as output (in-place, out=): a write, digested from memory (§5.3)
+                        put = rec["outputs"].append
+                        for slot, t in outs:
+                            put(s.entry(call, slot, t, True, fresh=any(t is x for _, x in ins)))
+                finally:
+                    s.busy -= 1
         except Exception as err:
             s.failed("recording", err, call)
         s.maybe_flush_contained()

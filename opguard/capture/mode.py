@@ -130,11 +130,15 @@ def _split(value: Any, slot: str, ts: list[tuple[str, torch.Tensor]], xs: list[d
         xs.append({"slot": slot, "type": "none", "value": None})
     elif isinstance(value, torch.Tensor):
         ts.append((slot, value))
+    elif type(value) is slice:  # x[:k] with a tensor k: the bound is an input (slot <slot>.stop), §3.3
+        _slice(value, slot, ts, xs)
     elif isinstance(value, (list, tuple)) and type(value) is not torch.Size and any(
-            isinstance(v, torch.Tensor) for v in value):
+            isinstance(v, torch.Tensor) or (type(v) is slice and _bounds(v)) for v in value):
         for j, v in enumerate(value):
             if isinstance(v, torch.Tensor):
                 ts.append((f"{slot}.{j}", v))
+            elif type(v) is slice:
+                _slice(v, f"{slot}.{j}", ts, xs)
             elif isinstance(v, (list, tuple)) and any(isinstance(w, torch.Tensor) for w in v):
                 ts.extend((f"{slot}.{j}.{k}", w) for k, w in enumerate(v) if isinstance(w, torch.Tensor))
             else:
@@ -143,6 +147,18 @@ def _split(value: Any, slot: str, ts: list[tuple[str, torch.Tensor]], xs: list[d
         ts.extend(tensors_in(value, slot))
     else:
         xs.append(records.arg_entry(slot, value))
+
+
+def _bounds(s: slice) -> list[tuple[str, torch.Tensor]]:
+    """The tensor bounds of a slice (``x[:k]`` with a 0-d tensor ``k``), by name."""
+    return [(n, v) for n, v in (("start", s.start), ("stop", s.stop), ("step", s.step))
+            if isinstance(v, torch.Tensor)]
+
+
+def _slice(value: slice, slot: str, ts: list[tuple[str, torch.Tensor]], xs: list[dict[str, Any]]) -> None:
+    """A slice argument: its canonical form in ``xs``, its tensor bounds as inputs ``<slot>.<bound>``."""
+    xs.append(records.arg_entry(slot, value))
+    ts.extend((f"{slot}.{n}", v) for n, v in _bounds(value))
 
 
 def _written_outputs(written: frozenset[str], ins: list[tuple[str, torch.Tensor]], outs: list[tuple[str, Any]]

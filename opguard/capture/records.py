@@ -9,6 +9,7 @@ import inspect
 import json
 import math
 import numbers
+import sys
 from typing import Any
 
 import orjson
@@ -36,6 +37,7 @@ METADATA_METHODS = frozenset({
     "is_set_to", "__iter__", "__array__", "dim_order", "__dlpack__", "__dlpack_device__",
     "register_hook", "retain_grad", "requires_grad_", "_is_view", "is_inference",
     "_set_grad_enabled", "is_grad_enabled", "set_grad_enabled", "_get_tracing_state", "is_tensor",
+    "is_conj", "is_neg", "is_signed", "is_coalesced", "is_same_size",
 })
 # Properties that return tensor data: recorded when read only with ``record_noise`` (every other
 # property read is metadata, never recorded).
@@ -196,8 +198,13 @@ def _compute_name(func: Any) -> tuple[str, int]:
     if head == "_VariableFunctionsClass":
         return f"torch.{fname}", _kind(fname)
     module = getattr(func, "__module__", None) or "torch"
-    module = _MODULE_ALIASES.get(module, module)
-    return f"{module}.{qual}", _kind(fname)
+    public = _MODULE_ALIASES.get(module, module)
+    if public != module and public.startswith("torch.") and qual.startswith(public[6:] + "_"):
+        # torch._C._fft.fft_rfft is torch.fft.rfft (linalg_, special_ alike): the public name, when it is one
+        bare = qual[len(public) - 5:]
+        if getattr(sys.modules.get(public), bare, None) is not None:
+            qual = bare
+    return f"{public}.{qual}", _kind(fname)
 
 
 _dtype_names: dict[torch.dtype, str] = {}

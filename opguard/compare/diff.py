@@ -48,7 +48,9 @@ def _compare_slots(kind: str, a: list[Slot], b: list[Slot], out: list[str], diff
     by_a = {s.name: s for s in a}
     by_b = {s.name: s for s in b}
     differing: list[tuple[Slot, Slot]] = []
-    for name in by_a.keys() | by_b.keys():
+    # A's slots in A's order, then B's own: the same order in every process (a set's order follows
+    # the per-process string hash, and the numeric differences are listed in this order)
+    for name in [*by_a, *(n for n in by_b if n not in by_a)]:
         sa, sb = by_a.get(name), by_b.get(name)
         if sa is None or sb is None:
             out.append(f"{kind}.{name}.present")

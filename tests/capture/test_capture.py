@@ -175,6 +175,38 @@ def test_dispatch_level_ties_backward_to_forward_sites(out_env: dict[str, str]) 
     assert all(r["seq"] > bwd_call["seq"] for r in back)
     gelu_back = [r for r in tied if r["fn"] == "aten::gelu_backward.default"]
     assert gelu_back and gelu_back[0]["module"] == "model.act"
+    # capture's own reads of the tensors it summarises (t.is_neg(), t.is_conj()) are not the
+    # program's: they were 68 % of a dispatch-level trace of a GRU, as Tensor.is_neg records under
+    # torch.autograd.backward (the function mode is on the stack inside the dispatch handler)
+    assert not [r for r in op if r["fn"].startswith("Tensor.is_")]
+
+
+def test_a_tensor_bound_of_a_slice_is_an_input(out_env: dict[str, str]) -> None:
+    """``x[:k]`` with a 0-d tensor ``k`` (an MoE's capacity cut) recorded only ``self``: the bound was
+    the type name in ``args``, so a run whose ``k`` differed showed an 'introduced' divergence there."""
+    x = torch.arange(10.0)
+    k = torch.tensor(4)
+    with oc.capture(env=out_env) as cap:
+        x[:k]
+        x[(slice(1, k), Ellipsis)]
+        x[k]
+    gets = [r for r in ops(read_trace(cap.path)) if r["fn"] == "Tensor.__getitem__"]
+    assert [[e["slot"] for e in r["inputs"]] for r in gets] == [["self", "arg1.stop"], ["self", "arg1.0.stop"],
+                                                                 ["self", "arg1"]]
+    assert len({r["inputs"][1]["digest"] for r in gets}) == 1  # k's digest, every time
+    assert gets[0]["args"] == [{"slot": "arg1", "type": "slice", "value": [None, "torch.Tensor", None]}]
+
+
+def test_public_names_of_fft_linalg_and_special_functions(out_env: dict[str, str]) -> None:
+    """The builtins' own names are ``fft_rfft``, ``linalg_vector_norm``, ``special_erf``: records
+    named ``torch.fft.fft_rfft``, and OPGUARD_CAPTURE_FUNCTIONS=torch.fft.rfft matched nothing."""
+    x = torch.randn(16)
+    with oc.capture(env=out_env, functions="torch.fft.*,torch.linalg.*,torch.special.*") as cap:
+        torch.fft.irfft(torch.fft.rfft(x))
+        torch.linalg.vector_norm(x)
+        torch.special.erf(x)
+    assert [r["fn"] for r in ops(read_trace(cap.path))] == [
+        "torch.fft.rfft", "torch.fft.irfft", "torch.linalg.vector_norm", "torch.special.erf"]
 
 
 def test_dumps_land_in_the_rank_directory_only(out_env: dict[str, str]) -> None:

@@ -171,3 +171,25 @@ def test_a_worker_that_dies_is_an_error_and_leaves_nothing(tmp_path: Path, monke
         compare(str(tmp_path / "a"), str(tmp_path / "b"), tmp_path / "v.pftrace")
     assert e.value.exit_code == 1 and "was killed by SIGKILL" in str(e.value)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "b"]
+
+
+def test_numeric_differences_are_listed_in_slot_order_in_every_process() -> None:
+    """The differing slots were walked in a set's order, which follows the per-process string hash:
+    two compares of the same traces listed an EMA's 56 ``out.<j>`` differences in different orders
+    (and wrote different view files). They are in A's slot order now, whatever PYTHONHASHSEED."""
+    import subprocess
+    import sys
+
+    code = (
+        "from opguard.compare.diff import diff_pair\n"
+        "from opguard.compare.records import Record, Slot\n"
+        "def rec(v):\n"
+        "    return Record(0, 0, 'torch._foreach_lerp_', 's', outputs=[\n"
+        "        Slot(f'out.{j}', f'{v}{j:04x}', 'float32', (2,), stats={'min': float(v + j), 'max': float(v + j)})\n"
+        "        for j in range(40)])\n"
+        "d = diff_pair(rec(1), rec(2))\n"
+        "print(d.fields, d.numeric)\n")
+    outs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                           env={**__import__("os").environ, "PYTHONHASHSEED": seed}).stdout
+            for seed in ("1", "2", "3")}
+    assert len(outs) == 1, outs
