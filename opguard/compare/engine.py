@@ -308,6 +308,7 @@ class _Chunk:
     last_unresolved: str | None = None
     first_unresolved: str | None = None
     first_new_b: str | None = None
+    first_gone_a: str | None = None
     shown: list[dict[str, Any]] = field(default_factory=list)
     slices: int = 0
     flows: int = 0
@@ -578,6 +579,8 @@ def _run_rows(job: _Job, r0: int, r1: int, writer: ExportWriter) -> _Chunk:
         if out.first_new_b is None and i < 0 and (site.line_map == NO_COUNTERPART or reason in (
                 NOT_IN_OTHER_SEGMENT, EDITED_LINE_CALLS)):
             out.first_new_b = out.last_unresolved  # B's first operation A does not make (a new line, a new call)
+        if out.first_gone_a is None and i >= 0 and reason in (NOT_IN_OTHER_SEGMENT, EDITED_LINE_CALLS):
+            out.first_gone_a = out.last_unresolved  # A's first operation B does not make (a removed call)
         if pairs_out is not None:
             pairs_out.write(json.dumps({**head, "row": row, "status": UNALIGNED, "reason": reason,
                                         side.run.lower(): _op_json(side, x, k)}) + "\n")
@@ -730,6 +733,7 @@ def _compare_stream(writer: ExportWriter, sa: Stream, sb: Stream, tracks: tuple[
         last_unresolved = c.last_unresolved or last_unresolved
         summ.first_unresolved = summ.first_unresolved or c.first_unresolved
         summ.first_new_b = summ.first_new_b or c.first_new_b
+        summ.first_gone_a = summ.first_gone_a or c.first_gone_a
     return n
 
 

@@ -36,11 +36,13 @@ class FirstMismatch:
     function_b: str | None = None             # B's function, when it differs (basis function-differs)
 
     def describe(self) -> str:
-        what = "; ".join(self.args) if self.args else ", ".join(self.fields)
+        """One line; at most SHOWN arguments, fields and numeric slots (an optimizer step's record
+        can differ in every parameter: the rest are counted, all are in ``--json`` and the view)."""
+        what = _capped(self.args, "; ") if self.args else _capped(self.fields, ", ")
         if self.function_b:
             what = f"{self.function} -> {self.function_b}" + (f"; {what}" if what else "")
-        nums = "; ".join(f"{slot}: " + ", ".join(f"{k}={v:.6g}" for k, v in vals.items())
-                         for slot, vals in self.numeric.items())
+        nums = _capped([f"{slot}: " + ", ".join(f"{k}={v:.6g}" for k, v in vals.items())
+                        for slot, vals in self.numeric.items()], "; ")
         at = self.where if not self.where_b or self.where_b == self.where else f"{self.where} (B: {self.where_b})"
         if self.line_map_b and not self.line_map_b.startswith(("same", "shifted")):
             at += f" [B's line: {self.line_map_b}]"
@@ -57,6 +59,15 @@ class FirstMismatch:
                 "kind": self.kind, "args": self.args, "fields": self.fields, "numeric": self.numeric,
                 "unresolved_before": self.unresolved_before, "nearest_unresolved": self.nearest_unresolved,
                 "line_map_b": self.line_map_b, "function_b": self.function_b}
+
+
+SHOWN = 6  # items of a list shown in one summary line
+
+
+def _capped(items: list[str], sep: str) -> str:
+    if len(items) <= SHOWN:
+        return sep.join(items)
+    return sep.join(items[:SHOWN]) + f"{sep}... ({len(items) - SHOWN} more)"
 
 
 @dataclass
@@ -76,6 +87,7 @@ class StreamSummary:
     uninitialized: int = 0      # entries marked uninitialized whose content differs (never compared)
     first_unresolved: str | None = None  # the first operation (in row order) that could not be paired
     first_new_b: str | None = None  # B's first unpaired operation on a line A lacks, or a call A's segment lacks
+    first_gone_a: str | None = None  # A's first unpaired operation that B's segment lacks (a removed call)
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -93,6 +105,7 @@ class StreamSummary:
                 "first_divergence": self.first_divergence.as_json() if self.first_divergence else None,
                 "first_mismatch": self.first_mismatch.as_json() if self.first_mismatch else None,
                 "first_unresolved": self.first_unresolved, "first_new_in_b": self.first_new_b,
+                "first_missing_in_b": self.first_gone_a,
                 "notes": list(self.notes)}
 
 
@@ -167,6 +180,8 @@ class Summary:
             if s.first_new_b is not None:  # a line only B has: what it computes is not in A at all
                 lines.append("  B's first operation A does not make (a line or a call A does not have): "
                              f"{s.first_new_b}")
+            if s.first_gone_a is not None:  # a call removed in B
+                lines.append(f"  A's first operation B does not make (a call B does not have): {s.first_gone_a}")
             if s.status["mismatch"]:
                 lines.append(f"  mismatches: {s.introduced} introduced, {s.inherited} inherited (inputs differ)")
             if s.first_mismatch is not None and fd is not None and s.first_mismatch.record_a != fd.record_a:

@@ -324,6 +324,21 @@ def test_a_line_edited_to_make_one_more_call_names_that_call(tmp_path: Path) -> 
     assert rank["first_new_in_b"].startswith("run B Tensor.mul at ") and "swap.py:10 " in rank["first_new_in_b"]
     assert rank["first_new_in_b"].endswith(", not-in-other-segment)")
     assert "undetermined in B: not-in-other-segment 2" in p.stderr and "undetermined in A" not in p.stderr, p.stderr
+    assert rank["first_missing_in_b"] is None
+
+
+def test_a_call_removed_from_a_line_is_named(tmp_path: Path) -> None:
+    """The reverse edit, ``x = torch.tanh(h) * 0.5`` -> ``x = torch.tanh(h)``: A's Tensor.mul has no
+    counterpart; it was named only as 'the last unresolved operation before' a later mismatch.
+    Now the summary names it as A's first operation B does not make."""
+    runs = _captured_pair(tmp_path, _SWAP.format(act="relu").replace("x = torch.tanh(h)", "x = torch.tanh(h) * 0.5"),
+                          _SWAP.format(act="relu"))
+    p = run_compare(runs["a"], runs["b"], tmp_path / "v.pftrace", extra=["--json", str(tmp_path / "s.json")])
+    assert p.returncode == 0, p.stderr
+    rank = json.loads((tmp_path / "s.json").read_text())["ranks"][0]
+    assert rank["first_missing_in_b"].startswith("run A Tensor.mul at ") and "swap.py:10 " in rank["first_missing_in_b"]
+    assert "A's first operation B does not make (a call B does not have): run A Tensor.mul" in p.stderr, p.stderr
+    assert rank["first_new_in_b"] is None
 
 
 _BLOCKS = """import torch

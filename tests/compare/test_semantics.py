@@ -193,3 +193,17 @@ def test_numeric_differences_are_listed_in_slot_order_in_every_process() -> None
                            env={**__import__("os").environ, "PYTHONHASHSEED": seed}).stdout
             for seed in ("1", "2", "3")}
     assert len(outs) == 1, outs
+
+
+def test_a_first_divergence_line_shows_a_few_slots_and_counts_the_rest() -> None:
+    """An optimizer step whose learning rate changed differs in every parameter and state slot: the
+    line listed all of them (24 entries, several KB). It shows 6 and counts the rest."""
+    from opguard.compare.summary import FirstMismatch
+
+    numeric = {f"p{i}.weight": {"stats_max_abs_diff": 0.5} for i in range(24)}
+    fm = FirstMismatch("A/r0/1", "B/r0/1", "torch.optim.AdamW.step", "t.py:9", [f"outputs.p{i}.weight.digest"
+                                                                               for i in range(24)], numeric, 0)
+    line = fm.describe()
+    assert "p5.weight: stats_max_abs_diff=0.5; ... (18 more)" in line and "p6.weight" not in line
+    assert "outputs.p5.weight.digest, ... (18 more)" in line
+    assert len(fm.as_json()["numeric"]) == 24
