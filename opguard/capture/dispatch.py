@@ -71,6 +71,8 @@ class AtenMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
             site = s.sites.lookup(sys._getframe(1))
             call = s.begin("aten", name, site, phase="backward" if node is not None else "forward")
             rec = call.rec
+            if records.seeded(name, func):  # draws random numbers (§3.1)
+                rec["seeded"] = True
             if node is not None:
                 rec["fwd"] = fwd
                 if fwd is not None:

@@ -84,6 +84,7 @@ _GROWS = records.GROWS_FNS
 # names that need a look before the call (one set test per call)
 _SPECIAL = _SHARES_MEMORY | {"Tensor.data", "Tensor.share_memory_"}
 _written_get = records._written.get
+_seeded_get = records._seeded.get
 _isfinite = math.isfinite
 
 
@@ -277,6 +278,9 @@ class CaptureMode(TorchFunctionMode):
             if s.select_all or s.selected(name, module, context):
                 site = s.sites.lookup(caller)
                 call = s.begin("function", name, site, where=(module, context))
+                sd = _seeded_get(name)
+                if sd or (sd is None and records.seeded(name, func)):  # draws random numbers (§3.1)
+                    call.rec["seeded"] = True
                 ins, xs = split_args(args, kwargs, name.startswith("Tensor."))
                 if xs:
                     call.rec["args"] = xs

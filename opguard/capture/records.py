@@ -138,6 +138,31 @@ def written_slots(name: str, func: Any = None) -> frozenset[str]:
     return out
 
 
+_seeded: dict[str, bool] = {}
+
+
+def seeded(name: str, func: Any = None) -> bool:
+    """Whether the call draws from a random-number generator (docs/capture.md §3.1 ``seeded``): an
+    ATen operator named like the last part of ``name`` (every overload; ``func`` itself when it is
+    one) carries the tag ``nondeterministic_seeded``. Cached per name."""
+    hit = _seeded.get(name)
+    if hit is not None:
+        return hit
+    tag = getattr(torch.Tag, "nondeterministic_seeded", None)
+    found = False
+    try:
+        if isinstance(func, torch._ops.OpOverload):
+            found = tag in func.tags
+        elif tag is not None:
+            packet: Any = getattr(torch.ops.aten, name.rpartition(".")[2], None)
+            if packet is not None and hasattr(packet, "overloads"):
+                found = any(tag in getattr(packet, o).tags for o in packet.overloads())
+    except Exception:  # no such operator, no tags: not known to draw
+        found = False
+    _seeded[name] = found
+    return found
+
+
 _op_writes: dict[Any, tuple[tuple[int, ...], frozenset[str]]] = {}
 
 

@@ -44,6 +44,7 @@ from opguard.compare.summary import (
     FUNCTION_DIFFERS_KIND,
     INHERITED,
     OUTPUTS_DIFFER,
+    RANDOM_DIFFERS,
     FirstMismatch,
     StreamSummary,
     Summary,
@@ -546,7 +547,8 @@ def _run_rows(job: _Job, r0: int, r1: int, writer: ExportWriter) -> _Chunk:
                 pairs_out.write(json.dumps(line) + "\n")
             if d.status == MISMATCH:
                 kind = (FUNCTION_DIFFERS_KIND if d.function and d.inputs_equal else ARGS_DIFFER if d.args else
-                        OUTPUTS_DIFFER if d.inputs_equal else INHERITED)
+                        (RANDOM_DIFFERS if ra.seeded or rb.seeded else OUTPUTS_DIFFER) if d.inputs_equal else
+                        INHERITED)
                 fm = FirstMismatch(rid_a.decode("utf-8", "surrogatepass"), rid_b.decode("utf-8", "surrogatepass"),
                                    ra.function, _where(ra), d.fields, d.numeric, out.unresolved,
                                    _module(ra.context), ra.step, d.args, kind, _where(rb), out.last_unresolved,

@@ -123,6 +123,7 @@ class Record:
     outputs: list[Slot] = field(default_factory=list)
     line_map: str | None = None       # how B's line corresponds to A's (docs/compare.md §2), evidence
     args: tuple[Arg, ...] | None = None   # schema v2: non-tensor arguments, in argument order
+    seeded: bool = False              # capture: the call draws random numbers (docs/capture.md §3.1)
 
     def key(self) -> str:
         """The call-site key that order-based pairing compares (rank is equal within a stream)."""
@@ -319,7 +320,7 @@ def from_capture(obj: Mapping[str, Any], index: int, sites: SiteCache, where: st
             outputs.append(Slot(name="error", digest=str(obj["error"])))
         return Record(obj["rank"], index, site.function, site.site, site.file, site.line, site.scope,
                       site.line_digest, site.context, obj.get("seq"), obj.get("step"), site.collective,
-                      inputs, outputs, site.line_map, capture_args(obj.get("args")))
+                      inputs, outputs, site.line_map, capture_args(obj.get("args")), obj.get("seeded") is True)
     except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise ConfigError(f"{where}: not an opguard capture op record ({type(e).__name__}: {e})",
                           "pass a trace directory written by opguard capture (docs/capture.md)") from None

@@ -12,6 +12,9 @@ CAVEAT = ("caveat: unresolved operations precede it in this stream; an observed 
 
 ARGS_DIFFER = "arguments differ"
 OUTPUTS_DIFFER = "outputs differ, inputs and arguments equal"
+# the same for a call that draws random numbers (capture's "seeded"): the likely why
+RANDOM_DIFFERS = ("outputs differ, inputs and arguments equal, in a random draw (the generator's state differs: "
+                  "another seed, or another number of draws before it)")
 INHERITED = "inputs differ (inherited)"
 FUNCTION_DIFFERS_KIND = "function differs"
 JSON_VERSION = 1

@@ -197,6 +197,22 @@ def test_a_tensor_bound_of_a_slice_is_an_input(out_env: dict[str, str]) -> None:
     assert gets[0]["args"] == [{"slot": "arg1", "type": "slice", "value": [None, "torch.Tensor", None]}]
 
 
+@pytest.mark.parametrize("level", ["function", "dispatch"])
+def test_calls_that_draw_random_numbers_are_marked_seeded(out_env: dict[str, str], level: str) -> None:
+    """From the ATen tag nondeterministic_seeded: compare's 'why' for equal inputs and other outputs."""
+    with oc.capture(env=out_env, level=level) as cap:
+        x = torch.randn(4, 4)
+        torch.nn.functional.dropout(x, 0.5, training=True)
+        x.normal_()
+        torch.add(x, 1)
+    recs = ops(read_trace(cap.path))
+    marked = {r["fn"] for r in recs if r.get("seeded") is True}
+    assert {"torch.randn", "torch.nn.functional.dropout", "Tensor.normal_"} <= marked
+    assert "torch.add" not in marked and all(r.get("seeded") in (None, True) for r in recs)
+    if level == "dispatch":
+        assert any(f.startswith("aten::normal_") for f in marked), marked
+
+
 def test_public_names_of_fft_linalg_and_special_functions(out_env: dict[str, str]) -> None:
     """The builtins' own names are ``fft_rfft``, ``linalg_vector_norm``, ``special_erf``: records
     named ``torch.fft.fft_rfft``, and OPGUARD_CAPTURE_FUNCTIONS=torch.fft.rfft matched nothing."""

@@ -424,3 +424,16 @@ print(torch.tanh(x).sum().item())
     rank = json.loads((tmp_path / "s.json").read_text())["ranks"][0]
     assert rank["first_new_in_b"] is None, rank
     assert set(rank["undetermined_b"]) == set(rank["undetermined_a"]) == {"anchor-order-conflict"}, rank
+
+
+def test_another_seed_is_named_as_a_random_draw(tmp_path: Path) -> None:
+    """``torch.manual_seed(0)`` -> ``(1)`` is not itself recorded: the first divergence is the first
+    random draw, whose inputs and arguments are equal. It was 'outputs differ, inputs and arguments
+    equal' with no hint; the kind now says it is a random draw and why it can differ."""
+    runs = _captured_pair(tmp_path, _SWAP.format(act="relu"),
+                          _SWAP.format(act="relu").replace("torch.manual_seed(0)", "torch.manual_seed(1)"))
+    p = run_compare(runs["a"], runs["b"], tmp_path / "v.pftrace", extra=["--json", str(tmp_path / "s.json")])
+    assert p.returncode == 0, p.stderr
+    fd = json.loads((tmp_path / "s.json").read_text())["ranks"][0]["first_divergence"]
+    assert fd["function"] == "torch.randn" and fd["kind"].startswith(
+        "outputs differ, inputs and arguments equal, in a random draw (the generator's state differs"), fd
