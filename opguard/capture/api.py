@@ -43,6 +43,34 @@ def name_modules(module: torch.nn.Module, name: str) -> torch.nn.Module:
 _compiling = torch.compiler.is_dynamo_compiling  # False in eager code, True while Dynamo traces
 
 
+_CALL_IMPL = getattr(getattr(torch.nn.Module, "_call_impl", None), "__code__", None)
+
+
+def _call_kwargs() -> dict[str, Any]:
+    """The keyword arguments of the module call whose global forward pre-hook runs now: the global
+    hook gets the positional ones only, and ``nn.TransformerDecoderLayer`` passes its attention's
+    ``attn_mask`` by keyword. Read from ``Module._call_impl``'s frame (a few frames up); empty when
+    it is not found."""
+    f: Any = sys._getframe(2)
+    for _ in range(6):
+        if f is None:
+            break
+        if f.f_code is _CALL_IMPL:
+            kw = f.f_locals.get("kwargs")
+            return kw if isinstance(kw, dict) else {}
+        f = f.f_back
+    return {}
+
+
+def _float_mask(args: Any, kwargs: dict[str, Any]) -> bool:
+    """Whether an ``nn.MultiheadAttention`` call has a floating-point ``key_padding_mask`` or
+    ``attn_mask`` (positions 3 and 5 of its forward, or keywords), which PyTorch's fast path refuses."""
+    masks = [kwargs.get("key_padding_mask"), kwargs.get("attn_mask")]
+    if isinstance(args, tuple):
+        masks += [args[i] for i in (3, 5) if len(args) > i]
+    return any(isinstance(t, torch.Tensor) and torch.is_floating_point(t) for t in masks)
+
+
 def _mha_fast_path_enabled() -> bool:
     """``torch.backends.mha.get_fastpath_enabled()`` (True where this PyTorch has no such switch)."""
     try:
@@ -199,6 +227,8 @@ class ModulePaths:
         if isinstance(m, torch.nn.MultiheadAttention) and not (
                 m.batch_first and len(tensors) >= 3 and tensors[0] is tensors[1] is tensors[2]):
             return  # PyTorch's MHA fast path is batch-first self-attention only
+        if isinstance(m, torch.nn.MultiheadAttention) and _float_mask(args, _call_kwargs()):
+            return  # PyTorch refuses its fast path for floating-point masks: not capture's doing
         if any(path.startswith(p + ".") for p in s.fast_path_off):
             return  # its enclosing layer is listed already
         s.fast_path_off.append(path)

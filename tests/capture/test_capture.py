@@ -213,6 +213,32 @@ def test_calls_that_draw_random_numbers_are_marked_seeded(out_env: dict[str, str
         assert any(f.startswith("aten::normal_") for f in marked), marked
 
 
+@pytest.mark.parametrize("case", ["bool_mask", "float_mask", "float_mask_positional", "switched_off"])
+def test_the_fast_path_notice_only_when_capture_moved_the_module(out_env: dict[str, str], case: str) -> None:
+    """PyTorch keeps an eval-mode MultiheadAttention off its fast path for a floating-point mask
+    (nn.TransformerDecoderLayer's causal mask, passed by keyword) and when the program switched the
+    fast path off: capture warned it had moved the module off that path all the same."""
+    torch.manual_seed(0)
+    mha = torch.nn.MultiheadAttention(16, 2, batch_first=True).eval()
+    x = torch.randn(2, 5, 16)
+    bool_mask = torch.ones(5, 5, dtype=torch.bool).triu(1)
+    float_mask = torch.nn.Transformer.generate_square_subsequent_mask(5)
+    prev = torch.backends.mha.get_fastpath_enabled()
+    try:
+        with oc.capture(env=out_env) as cap, torch.no_grad():
+            if case == "switched_off":
+                torch.backends.mha.set_fastpath_enabled(False)
+            if case == "float_mask_positional":
+                mha(x, x, x, None, False, float_mask)
+            else:
+                mha(x, x, x, attn_mask=bool_mask if case in ("bool_mask", "switched_off") else float_mask,
+                    need_weights=False)
+    finally:
+        torch.backends.mha.set_fastpath_enabled(prev)
+    meta = json.loads((cap.path / "meta.json").read_text())
+    assert meta["fast_path_off"] == (["MultiheadAttention"] if case == "bool_mask" else [])
+
+
 def test_public_names_of_fft_linalg_and_special_functions(out_env: dict[str, str]) -> None:
     """The builtins' own names are ``fft_rfft``, ``linalg_vector_norm``, ``special_erf``: records
     named ``torch.fft.fft_rfft``, and OPGUARD_CAPTURE_FUNCTIONS=torch.fft.rfft matched nothing."""
