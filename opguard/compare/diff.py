@@ -32,12 +32,16 @@ class Diff:
     args: list[str] = field(default_factory=list)        # "approximate: 'none' -> 'tanh'" (schema v2)
     uninitialized: int = 0      # entries marked uninitialized whose recorded content differs (not compared)
     function: str | None = None  # "A's function -> B's" when they differ (basis function-differs)
+    # the inputs differ only in order: the same tensors (dtype, shape, digest) in other slots (b - a
+    # for a - b): the edit is here, not upstream
+    reordered: bool = False
 
     @property
     def introduced(self) -> bool:
-        """The pair introduced the difference: its arguments differ, or its inputs are equal and its
-        function, arguments or outputs differ (docs/compare.md §4)."""
-        return self.status == MISMATCH and (bool(self.args) or self.inputs_equal)
+        """The pair introduced the difference: its arguments differ, its inputs are the same tensors
+        in another order, or its inputs are equal and its function, arguments or outputs differ
+        (docs/compare.md §4)."""
+        return self.status == MISMATCH and (bool(self.args) or self.inputs_equal or self.reordered)
 
 
 _OK = Diff(OK)
@@ -152,4 +156,15 @@ def diff_pair(a: Record, b: Record) -> Diff:
         if vals:
             numeric[sa.name] = vals
     d.fields, d.inputs_equal, d.numeric = fields, inputs_equal, numeric
+    d.reordered = not inputs_equal and _reordered(a.inputs, b.inputs)
     return d
+
+
+def _reordered(a: list[Slot], b: list[Slot]) -> bool:
+    """The same input tensors on both sides, by content, in other slots (every digest known)."""
+    if len(a) != len(b) or any(s.digest is None for s in (*a, *b)):
+        return False
+    def key(s: Slot) -> tuple[str, str, str]:
+        return (str(s.dtype), str(s.shape), str(s.digest))
+    ka, kb = [key(s) for s in a], [key(s) for s in b]
+    return ka != kb and sorted(ka) == sorted(kb)

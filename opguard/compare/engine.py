@@ -45,6 +45,7 @@ from opguard.compare.summary import (
     INHERITED,
     OUTPUTS_DIFFER,
     RANDOM_DIFFERS,
+    REORDERED,
     FirstMismatch,
     StreamSummary,
     Summary,
@@ -548,7 +549,7 @@ def _run_rows(job: _Job, r0: int, r1: int, writer: ExportWriter) -> _Chunk:
             if d.status == MISMATCH:
                 kind = (FUNCTION_DIFFERS_KIND if d.function and d.inputs_equal else ARGS_DIFFER if d.args else
                         (RANDOM_DIFFERS if ra.seeded or rb.seeded else OUTPUTS_DIFFER) if d.inputs_equal else
-                        INHERITED)
+                        REORDERED if d.reordered else INHERITED)
                 fm = FirstMismatch(rid_a.decode("utf-8", "surrogatepass"), rid_b.decode("utf-8", "surrogatepass"),
                                    ra.function, _where(ra), d.fields, d.numeric, out.unresolved,
                                    _module(ra.context), ra.step, d.args, kind, _where(rb), out.last_unresolved,

@@ -16,6 +16,7 @@ OUTPUTS_DIFFER = "outputs differ, inputs and arguments equal"
 RANDOM_DIFFERS = ("outputs differ, inputs and arguments equal, in a random draw (the generator's state differs: "
                   "another seed, or another number of draws before it)")
 INHERITED = "inputs differ (inherited)"
+REORDERED = "the same inputs in another order"
 FUNCTION_DIFFERS_KIND = "function differs"
 JSON_VERSION = 1
 

@@ -437,3 +437,28 @@ def test_another_seed_is_named_as_a_random_draw(tmp_path: Path) -> None:
     fd = json.loads((tmp_path / "s.json").read_text())["ranks"][0]["first_divergence"]
     assert fd["function"] == "torch.randn" and fd["kind"].startswith(
         "outputs differ, inputs and arguments equal, in a random draw (the generator's state differs"), fd
+
+
+_ORDER = """import torch
+
+torch.manual_seed(0)
+h = torch.randn(4)
+g = torch.randn(4)
+s = {expr}
+print(torch.tanh(s).sum().item())
+"""
+
+
+@pytest.mark.parametrize("op", ["+", "-"])
+def test_operands_swapped_on_a_line_are_introduced_there(tmp_path: Path, op: str) -> None:
+    """``h - g`` -> ``g - h``: the inputs are the same tensors in other slots. The pair was 'inputs
+    differ (inherited)' with nothing unresolved before it, so compare reported no introduced
+    divergence at all; now the swap is the first divergence (kind: the same inputs in another
+    order), whether or not the outputs differ (``h + g`` -> ``g + h``: they do not)."""
+    runs = _captured_pair(tmp_path, _ORDER.format(expr=f"h {op} g"), _ORDER.format(expr=f"g {op} h"))
+    p = run_compare(runs["a"], runs["b"], tmp_path / "v.pftrace", extra=["--json", str(tmp_path / "s.json")])
+    assert p.returncode == 0, p.stderr
+    fd = json.loads((tmp_path / "s.json").read_text())["ranks"][0]["first_divergence"]
+    fn = "Tensor.add" if op == "+" else "Tensor.sub"
+    assert fd["function"] == fn and fd["kind"] == "the same inputs in another order", fd
+    assert ("outputs.out.digest" in fd["fields"]) is (op == "-"), fd
