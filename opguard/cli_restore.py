@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import math
 import sys
 from pathlib import Path
+from typing import Any
 
 import click
 
@@ -19,8 +21,20 @@ def _attempt_lines(source: Path, restored: Path | None = None) -> list[str]:
     found = published_attempts(source) if restored is None else restored_attempts(restored)
     lines = []
     for node, attempts in sorted(found.items()):
-        lines += [f"node {node} {describe(a)}" for a in attempts]
+        lines += [f"node {node} {describe(a)}" for a in attempts if isinstance(a, dict)]
     return lines
+
+
+def _finite(v: Any) -> Any:
+    """``v`` with every non-finite float as null: ``--json`` prints strict JSON whatever a forged
+    ``attempts.json`` holds (NaN is no JSON value)."""
+    if isinstance(v, float):
+        return v if math.isfinite(v) else None
+    if isinstance(v, dict):
+        return {k: _finite(x) for k, x in v.items()}
+    if isinstance(v, list):
+        return [_finite(x) for x in v]
+    return v
 
 
 def _summary(report: object) -> str:
@@ -48,8 +62,12 @@ def materialize_cmd(source: Path, dest: Path, require_sealed: bool) -> None:
     make_dest_parents(source, dest)
     report = materialize(source, dest, require_sealed=require_sealed)
     click.echo(f"opguard: restored {_summary(report)} into {report.dest}", err=True)
-    for line in _attempt_lines(source, Path(report.dest)):
-        click.echo(f"opguard: {line}", err=True)
+    try:  # DEST is in place: nothing read back from it may turn the restore into a failure now
+        for line in _attempt_lines(source, Path(report.dest)):
+            click.echo(f"opguard: {line}", err=True)
+    except Exception as err:
+        click.echo(f"opguard: the restored attempts record (nodes/*/attempts.json) could not be described "
+                   f"({type(err).__name__}: {err}); the restore itself is complete", err=True)
     click.echo(report.dest)
 
 
@@ -78,8 +96,8 @@ def verify_cmd(source: Path, require_sealed: bool, as_json: bool) -> None:
         from opguard.staging.attempts import published_attempts
 
         doc = json.loads(report.to_json())
-        doc["attempts"] = published_attempts(source)
-        click.echo(json.dumps(doc, indent=1, sort_keys=True))
+        doc["attempts"] = _finite(published_attempts(source))
+        click.echo(json.dumps(doc, indent=1, sort_keys=True, allow_nan=False))
     else:
         for sr in report.streams:
             line = f"{sr.status:9} {sr.stream}: {sr.batches} batch(es), {sr.files} file(s), {sr.bytes} bytes"

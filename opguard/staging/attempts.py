@@ -48,7 +48,20 @@ class SealedStream:
 def _utc(t: float | None) -> str:
     if t is None:
         return "an unknown time"
-    return time.strftime("%Y-%m-%d %H:%M:%SZ", time.gmtime(t))
+    try:
+        return time.strftime("%Y-%m-%d %H:%M:%SZ", time.gmtime(t))
+    except (OverflowError, ValueError, OSError):  # NaN, 1e300, -1e18: a forged or damaged record
+        return f"an invalid time ({t!r})"
+
+
+_CONTROL = {c: f"\\x{c:02x}" for c in (*range(32), 127)} | {0x85: "\\x85", 0x2028: "\\u2028", 0x2029: "\\u2029"}
+
+
+def _text(v: Any, limit: int = 200) -> str:
+    """A value read from the target, for one line of a report: control characters escaped (a
+    hostname holding a newline cannot print a line of its own), at most ``limit`` characters."""
+    s = str(v).translate(_CONTROL)
+    return s if len(s) <= limit else s[:limit] + "..."
 
 
 def resume_requested(env: Mapping[str, str]) -> bool:
@@ -217,15 +230,15 @@ def describe(attempt: Mapping[str, Any]) -> str:
     """One line: ``attempt 2: job 1234 on node1, 2026-12-01 21:00:00Z - 21:05:00Z, exit 0 (resumed: --resume)``."""
     how = {FIRST: "first launch", UNSEALED: "continued an unsealed run", RESUME_FLAG: "resumed: --resume",
            RESUME_ENV: f"resumed: {RESUME_VAR}=1", REQUEUE: "Slurm requeue"}.get(str(attempt.get("how")),
-                                                                                 str(attempt.get("how")))
-    job = f"job {attempt['job_id']}" if attempt.get("job_id") else "no Slurm job"
+                                                                                 _text(attempt.get("how")))
+    job = f"job {_text(attempt['job_id'])}" if attempt.get("job_id") else "no Slurm job"
     start = attempt.get("started_at")
     end = attempt.get("ended_at")
     status = attempt.get("exit_status")
     span = f"{_utc(start if isinstance(start, int | float) else None)} - " + (
         _utc(end) if isinstance(end, int | float) else "(no end recorded)")
-    return (f"attempt {attempt.get('attempt')}: {job} on {attempt.get('hostname')}, {span}, "
-            f"exit {status if status is not None else '?'} ({how})")
+    return (f"attempt {_text(attempt.get('attempt'))}: {job} on {_text(attempt.get('hostname'))}, {span}, "
+            f"exit {_text(status) if status is not None else '?'} ({how})")
 
 
 # ---- reading them back from a run's shared output ------------------------------------------------
@@ -298,12 +311,13 @@ def attempt_of(attempts: list[dict[str, Any]], stream: str, sequence: int) -> in
     without ``first_sequence`` (recorded before it existed) or no attempt at all."""
     found: int | None = None
     for a in attempts:
-        firsts = a.get("first_sequence")
+        firsts = a.get("first_sequence") if isinstance(a, dict) else None
         if not isinstance(firsts, dict):
             return None
         first = firsts.get(stream, 1)
         if isinstance(first, int) and first <= sequence:
-            found = int(a.get("attempt", 0)) or None
+            n = a.get("attempt")  # a number written by the launcher; anything else: unknown
+            found = n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else None
     return found
 
 
