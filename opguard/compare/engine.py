@@ -79,6 +79,7 @@ class _Index:
 
 
 _MASK = (1 << 64) - 1
+_INT_FIELDS = ("seq", "step", "line", "depth", "parent", "site")
 
 
 def inputs_key(text: str) -> int:
@@ -164,7 +165,9 @@ def _index_capture(stream: Stream, intern: dict[str, int], keys: array[int], lin
     aside, below = stream.aside, -1
     for fi, n, off, obj in stream.capture_ops():
         if aside:
-            depth = obj.get("depth") or 0
+            depth = obj.get("depth")
+            if depth.__class__ is not int:  # absent or malformed (checked below): top level here
+                depth = 0
             if below >= 0:
                 if depth > below:
                     if obj.get("api") == "function":
@@ -174,6 +177,10 @@ def _index_capture(stream: Stream, intern: dict[str, int], keys: array[int], lin
             if below < 0 and obj.get("fn") in aside:
                 below = depth
         try:
+            for field_name in _INT_FIELDS:  # integers or absent (docs/capture.md §3.1): "seq": "x" is refused
+                value = obj.get(field_name)
+                if value is not None and value.__class__ is not int:
+                    raise TypeError(f"field {field_name} is {value!r:.40}, not an integer")
             raw = (obj["fn"], obj.get("file"), obj.get("line"), obj.get("src"), obj.get("func"), obj.get("module"),
                    obj.get("context"), obj.get("phase"), obj.get("api"))
             ent = sites.get(raw)

@@ -410,7 +410,10 @@ def loads(line: bytes) -> Any:
     try:
         return orjson.loads(line)
     except orjson.JSONDecodeError:
-        return json.loads(line)
+        try:
+            return json.loads(line)
+        except RecursionError:  # nested deeper than any record (orjson refuses past 1024 levels too)
+            raise ValueError("JSON nested too deeply") from None
 
 
 def jsonl_where(path: Path, n: int, offset: int, start: int) -> str:

@@ -17,12 +17,14 @@ correspond when rank and stream name are equal.
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import io
 import json
 import os
 import re
 import shutil
+import stat
 import sys
 import tempfile
 from collections.abc import Iterator, Sequence
@@ -47,12 +49,14 @@ from opguard.compare.records import (
     loads,
 )
 from opguard.errors import ConfigError, IdentityError, IntegrityError, OpguardError
+from opguard.staging import names
 from opguard.staging.layout import (
     CAPTURE_DIRNAME,
     CAPTURE_META_FILE,
     CAPTURE_SOURCES_FILE,
     CAPTURE_TRACE_FILE,
     NODE_COPY_DIRNAME,
+    SOURCE_COPY_MAX_BYTES,
     capture_dump_slot,
 )
 from opguard.staging.names import parse_rank_stream
@@ -149,8 +153,7 @@ class Stream:
                     elif not from_start:
                         continue
                     elif kind == "dump":
-                        self.dumps.setdefault(int(obj["seq"]), {})[str(obj["slot"])] = \
-                            str(self.rank_dir / obj["path"])
+                        self._dump(obj, fi, n, here)
                     elif kind == "cap":
                         self.notes.append(f"capture reached its size cap at step {obj.get('step')} "
                                           f"(seq {obj.get('seq')}): later operations were not recorded")
@@ -158,6 +161,21 @@ class Stream:
                         ended = True
         if from_start and not ended:
             self.notes.append("no end record: the capture did not end cleanly (the trace may be incomplete)")
+
+    def _dump(self, obj: dict[str, Any], fi: int, n: int, offset: int) -> None:
+        """A ``dump`` record (docs/capture.md §7): its file, a relative path inside the rank
+        directory (capture writes nothing else), attached to its op's slot."""
+        seq, slot, path = obj.get("seq"), obj.get("slot"), obj.get("path")
+        if seq.__class__ is not int or not isinstance(slot, str) or not isinstance(path, str):
+            raise ConfigError(f"{self.where(fi, n, offset)}: not an opguard capture dump record (seq, slot and "
+                              "path must be an integer and two strings)",
+                              "pass a trace directory written by opguard capture (docs/capture.md §7)")
+        try:
+            rel = names.relpath(path, "dump record field path")
+        except IntegrityError as e:
+            raise ConfigError(f"{self.where(fi, n, offset)}: {e.message}",
+                              "a dump record names a file inside its rank directory (docs/capture.md §7)") from None
+        self.dumps.setdefault(seq, {})[slot] = str(self.rank_dir / rel)
 
     def capture_op_lines(self, start: tuple[int, int], files: Sequence[int], offsets: Sequence[int],
                          first: int) -> Iterator[tuple[int, int, int, bytes]]:
@@ -287,6 +305,51 @@ def _segments(files: list[Path]) -> dict[str, list[Path]]:
     return {k: [p for _, p in sorted(v)] for k, v in groups.items()}
 
 
+# what compare reads whole besides traces: a capture's meta.json and sources.json (a few fields per
+# file, a few thousand files), a listed source file (the node metadata copies stop at 4 MiB a file:
+# staging/layout.py SOURCE_COPY_MAX_BYTES)
+TABLE_MAX_BYTES = 64 << 20
+
+
+def read_regular(path: Path | str, limit: int, follow: bool = False) -> bytes | None:
+    """The bytes of ``path`` when it is a regular file of at most ``limit`` bytes, else None: a
+    device (``/dev/zero``) or a FIFO listed or planted in a run directory is never read (no hang,
+    no unbounded read); a symbolic link is not followed unless ``follow`` (a program's own source
+    file may be one). OSError propagates."""
+    flags = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0) | (0 if follow else os.O_NOFOLLOW)
+    try:
+        fd = os.open(path, flags)
+    except OSError as e:
+        if e.errno == errno.ELOOP:  # a link where a file was expected
+            return None
+        raise
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size > limit:
+            return None
+        chunks, total = [], 0
+        while True:
+            b = os.read(fd, min(1 << 20, limit + 1 - total))
+            if not b:
+                break
+            chunks.append(b)
+            total += len(b)
+            if total > limit:
+                return None
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
+def _json_file(path: Path) -> Any:
+    """A capture table (meta.json, sources.json): FileNotFoundError when absent, ValueError when it
+    is not a regular file of at most TABLE_MAX_BYTES or not JSON."""
+    data = read_regular(path, TABLE_MAX_BYTES)
+    if data is None:
+        raise ValueError(f"not a regular file of at most {TABLE_MAX_BYTES >> 20} MiB")
+    return json.loads(data)
+
+
 def _capture_streams(run: Run, ranks_dir: Path) -> None:
     for rank_dir in sorted(ranks_dir.iterdir()):
         rank_or_none = parse_rank_stream(rank_dir.name)
@@ -295,10 +358,15 @@ def _capture_streams(run: Run, ranks_dir: Path) -> None:
             if rank_or_none is not None and rank_dir.is_dir():
                 run.skipped.append(rank_dir.name)
             continue
+        trace = cap / CAPTURE_TRACE_FILE
+        if trace.is_symlink() or not trace.is_file():  # a link, FIFO or device: never read
+            raise ConfigError(f"{trace} is not a regular file (a link, FIFO or device)",
+                              "pass a trace directory written by opguard capture, or restore it with "
+                              "opguard materialize (which writes regular files only)")
         rank = rank_or_none
         meta_notes: list[str] = []
         collapsed = _check_meta(cap / CAPTURE_META_FILE, rank, meta_notes)
-        segs = _segments([p for p in cap.iterdir() if p.is_file()]).get(str(cap / CAPTURE_TRACE_FILE), [])
+        segs = _segments([p for p in cap.iterdir() if p.is_file() and not p.is_symlink()]).get(str(trace), [])
         run.streams[(rank, CAPTURE_STREAM)] = Stream(KIND_CAPTURE, rank, CAPTURE_STREAM, segs,
                                                      _capture_sources(rank_dir), rank_dir,
                                                      meta_notes=meta_notes, collapsed=collapsed)
@@ -307,23 +375,34 @@ def _capture_streams(run: Run, ranks_dir: Path) -> None:
 def _check_meta(path: Path, rank: int, notes: list[str]) -> frozenset[str]:
     """Check a capture's meta.json; its notes into ``notes``; returns the functions it collapsed."""
     try:
-        meta = json.loads(path.read_text())
+        meta = _json_file(path)
     except FileNotFoundError:
         return frozenset()
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, RecursionError) as e:
         raise ConfigError(f"{path} is unreadable ({e})", "restore the rank directory again") from None
     version = meta.get("version") if isinstance(meta, dict) else None
-    if not isinstance(version, int) or version > CAPTURE_VERSION:
+    if not isinstance(version, int) or isinstance(version, bool) or version < 1:
+        raise ConfigError(f"{path}: no capture schema version (version {version!r})",
+                          "pass a trace directory written by opguard capture (docs/capture.md §2.1)")
+    if version > CAPTURE_VERSION:
         raise IdentityError(f"{path}: capture schema version {version!r}; this opguard reads versions 1 to "
                             f"{CAPTURE_VERSION}", "upgrade opguard to compare this run")
-    for note in meta.get("notes") or ():          # schema v2: capture's own notes (docs/capture.md §2.1)
-        notes.append(f"capture: {note}")
+    listed = meta.get("notes")
+    for note in listed if isinstance(listed, list) else ():  # schema v2: capture's notes (docs/capture.md §2.1)
+        notes.append(f"capture: {str(note).translate(_CONTROL)[:1000]}")
     if meta.get("rank") != rank:
         raise ConfigError(f"{path}: rank {meta.get('rank')!r} in the directory of rank {rank}",
                           "a rank directory must hold only its own rank's capture")
     found = meta.get("collapsed_wrappers")
-    return frozenset(w["fn"] for w in found if isinstance(w, dict) and isinstance(w.get("fn"), str)) \
-        if isinstance(found, list) else frozenset()
+    if not isinstance(found, list):
+        return frozenset()
+    return frozenset(w["fn"][:512] for w in found[:_MAX_COLLAPSED]
+                     if isinstance(w, dict) and isinstance(w.get("fn"), str))
+
+
+# capture collapses at most this many functions (capture/wrappers.py _MAX_WATCHED); a longer list is not its own
+_MAX_COLLAPSED = 4096
+_CONTROL = {c: " " for c in (*range(32), 127)}
 
 
 def _capture_sources(rank_dir: Path) -> SourceCopies:
@@ -332,26 +411,30 @@ def _capture_sources(rank_dir: Path) -> SourceCopies:
     SHA-256 is still the recorded one (docs/compare.md §2)."""
     index = SourceCopies()
     try:
-        data = json.loads((rank_dir / CAPTURE_DIRNAME / CAPTURE_SOURCES_FILE).read_text())
-    except (OSError, ValueError):
+        data = _json_file(rank_dir / CAPTURE_DIRNAME / CAPTURE_SOURCES_FILE)
+    except (OSError, ValueError, RecursionError):
         return index
     wanted: dict[str, tuple[str, str]] = {}
-    for f in data.get("files", []) if isinstance(data, dict) else []:
+    files = data.get("files") if isinstance(data, dict) else None
+    for f in files if isinstance(files, list) else []:
         if isinstance(f, dict) and isinstance(f.get("path"), str) and isinstance(f.get("sha256"), str):
             wanted[os.path.basename(f["path"])] = (f["path"], f["sha256"])
     node = rank_dir / NODE_COPY_DIRNAME
     if node.is_dir():
         for cand in node.rglob("*"):
             hit = wanted.get(cand.name)
-            if hit and cand.is_file() and hashlib.sha256(cand.read_bytes()).hexdigest() == hit[1]:
-                index.add(hit[0], cand)
+            if hit and not cand.is_symlink() and cand.is_file():
+                with contextlib.suppress(OSError):
+                    data_c = read_regular(cand, SOURCE_COPY_MAX_BYTES)
+                    if data_c is not None and hashlib.sha256(data_c).hexdigest() == hit[1]:
+                        index.add(hit[0], cand)
     for path, sha in wanted.values():
         if path not in index.files:
-            try:
-                if hashlib.sha256(Path(path).read_bytes()).hexdigest() == sha:
+            # the listed file itself (docs/compare.md §2): only a regular file of a source's size
+            with contextlib.suppress(OSError):
+                data_p = read_regular(path, SOURCE_COPY_MAX_BYTES, follow=True)
+                if data_p is not None and hashlib.sha256(data_p).hexdigest() == sha:
                     index.add(path, Path(path))
-            except OSError:
-                pass
     return index
 
 

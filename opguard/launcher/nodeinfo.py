@@ -36,7 +36,7 @@ import psutil
 from opguard.launcher.claim import boot_id, machine_id
 from opguard.launcher.identity import Identity, is_torchrun
 from opguard.staging.fsutil import dump_json
-from opguard.staging.layout import CAPTURE_DIRNAME, CAPTURE_SOURCES_FILE
+from opguard.staging.layout import CAPTURE_DIRNAME, CAPTURE_SOURCES_FILE, SOURCE_COPY_MAX_BYTES
 from opguard.staging.writers import write_file_atomic
 
 ENV_PREFIXES = ("SLURM_", "SLURMD_", "OMPI_", "PMI_", "PMIX_", "MV2_", "MPI_", "HYDRA_", "I_MPI_", "TORCHELASTIC_",
@@ -50,7 +50,7 @@ SKIP_DIRS = {".git", "__pycache__", ".venv", "venv", "node_modules", "site-packa
              ".pytest_cache", ".ruff_cache", "ranks", "state", "demo"}
 MAX_SOURCE_FILES = 2000
 MAX_SOURCE_BYTES = 64 << 20
-MAX_FILE_BYTES = 4 << 20
+MAX_FILE_BYTES = SOURCE_COPY_MAX_BYTES
 
 
 def filtered_env(env: Mapping[str, str]) -> dict[str, str]:

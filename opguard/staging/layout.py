@@ -170,3 +170,6 @@ class Layout:
             "rank_stream": rank_stream(rank),
             "node_stream": node_stream(node_id),
         }
+
+# a source file copied into the node metadata (launcher/nodeinfo.py) or read by compare (compare/sources.py)
+SOURCE_COPY_MAX_BYTES = 4 << 20

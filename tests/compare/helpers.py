@@ -18,7 +18,7 @@ def run_compare(a: Path | str, b: Path | str, out: Path, env: dict[str, str] | N
                 extra: list[str] | None = None) -> subprocess.CompletedProcess[str]:
     e = dict(os.environ if env is None else env)
     return subprocess.run([*OPGUARD, "compare", str(a), str(b), "-o", str(out), *(extra or [])], capture_output=True,
-                          text=True, env=e, timeout=300)
+                          text=True, env=e, timeout=120)
 
 
 def ops_of(export: Export, run: str, rank: int = 0) -> list[ExportedOp]:
