@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from opguard.errors import ConfigError, OpguardError
-from opguard.staging.bundle import batch_name, seal_name
+from opguard.staging.bundle import batch_name, parse_batch_name, seal_name
 from opguard.staging.checkpoint import CHECKPOINT_FILE, load_checkpoint
 from opguard.staging.config import StagingConfig, env_bool
 from opguard.staging.fsutil import atomic_replace_bytes
@@ -246,40 +246,71 @@ def describe(attempt: Mapping[str, Any]) -> str:
 def published_attempts(source: Path) -> dict[str, list[dict[str, Any]]]:
     """Node ID -> attempts, from the last published ``attempts.json`` of every node stream under
     SOURCE (``.opguard-bundles/streams/node-*``). Batches are read through the verifying reader;
-    a stream that cannot be read yields nothing here (``verify`` reports it)."""
-    from opguard.staging.bundle import iter_entries, read_manifest
-    from opguard.staging.target import list_batches
+    a stream that cannot be read yields nothing here (``verify`` reports it). Read like every
+    reader of the target (docs/format.md §11.2): below SOURCE (the caller's) through directory
+    descriptors, no link followed, so a stream directory swapped for a link after ``verify``
+    checked it cannot make this read another target."""
+    from opguard.staging.fsutil import open_beneath, open_dir_nofollow
+    from opguard.staging.names import parse_stream
 
-    streams = source / BUNDLES_DIRNAME / STREAMS_DIRNAME
     try:
-        names = sorted(n for n in os.listdir(streams) if n.startswith(NODE_STREAM_PREFIX))
-    except (FileNotFoundError, NotADirectoryError):
+        src_fd = os.open(source, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:
         return {}
     out: dict[str, list[dict[str, Any]]] = {}
-    for name in names:
-        sdir = streams / name
-        for seq, digest in reversed(list_batches(sdir)):
-            path = sdir / batch_name(seq, digest)
-            try:
-                info = read_manifest(path)
-                if not any(e.get("path") == ATTEMPTS_FILE and e.get("op") == "file"
-                           for e in info.manifest.get("entries", [])):
+    try:
+        try:
+            streams_fd = open_beneath(src_fd, f"{BUNDLES_DIRNAME}/{STREAMS_DIRNAME}")
+        except OSError:
+            return {}
+        try:
+            # valid stream names only: a node ID of [A-Za-z0-9._-] (a name holding a newline is no stream)
+            names = sorted(n for n in os.listdir(streams_fd) if n.startswith(NODE_STREAM_PREFIX)
+                           and parse_stream(n) is not None)
+            for name in names:
+                try:
+                    sfd = open_dir_nofollow(name, dir_fd=streams_fd)
+                except OSError:
                     continue
-                data = bytearray()
-                for entry, chunks in iter_entries(info):
-                    wanted = entry.get("path") == ATTEMPTS_FILE and entry.get("op") == "file"
-                    for chunk in chunks:  # every entry's chunks are consumed; only this one is kept
-                        if wanted:
-                            data += chunk
-                            if len(data) > ATTEMPTS_MAX_BYTES:
-                                raise ValueError(f"{ATTEMPTS_FILE} is larger than {ATTEMPTS_MAX_BYTES} bytes")
-                doc = json.loads(bytes(data))
-            except (OpguardError, OSError, ValueError):
-                break
-            if isinstance(doc, dict) and isinstance(doc.get("attempts"), list):
-                out[name.removeprefix(NODE_STREAM_PREFIX)] = [a for a in doc["attempts"] if isinstance(a, dict)]
-            break
+                try:
+                    found = _last_published(sfd)
+                finally:
+                    os.close(sfd)
+                if found is not None:
+                    out[name.removeprefix(NODE_STREAM_PREFIX)] = found
+        finally:
+            os.close(streams_fd)
+    finally:
+        os.close(src_fd)
     return out
+
+
+def _last_published(sfd: int) -> list[dict[str, Any]] | None:
+    """The attempts of the last batch of the stream open at ``sfd`` holding ``attempts.json``."""
+    from opguard.staging.bundle import iter_entries, open_batch
+
+    batches = sorted(p for n in os.listdir(sfd) if (p := parse_batch_name(n)) is not None)
+    for seq, digest in reversed(batches):
+        try:
+            info = open_batch(Path(batch_name(seq, digest)), dir_fd=sfd)
+            if not any(e.get("path") == ATTEMPTS_FILE and e.get("op") == "file"
+                       for e in info.manifest.get("entries", [])):
+                continue
+            data = bytearray()
+            for entry, chunks in iter_entries(info):
+                wanted = entry.get("path") == ATTEMPTS_FILE and entry.get("op") == "file"
+                for chunk in chunks:  # every entry's chunks are consumed; only this one is kept
+                    if wanted:
+                        data += chunk
+                        if len(data) > ATTEMPTS_MAX_BYTES:
+                            raise ValueError(f"{ATTEMPTS_FILE} is larger than {ATTEMPTS_MAX_BYTES} bytes")
+            doc = json.loads(bytes(data))
+        except (OpguardError, OSError, ValueError):
+            return None
+        if isinstance(doc, dict) and isinstance(doc.get("attempts"), list):
+            return [a for a in doc["attempts"] if isinstance(a, dict)]
+        return None
+    return None
 
 
 def finish_attempt(config: StagingConfig, layout: Layout, node_id: str, number: int, exit_status: int) -> bool:

@@ -59,3 +59,26 @@ def test_a_forged_attempt_never_fails_a_restore_nor_prints_a_line_of_its_own(tmp
             assert "FORGED" not in "".join(line for line in (r.stdout + r.stderr).splitlines()
                                            if not line.startswith(("node ", "opguard: node "))), r.stdout + r.stderr
     assert (tmp_path / "out" / "ranks" / "rank-000000" / "a.txt").read_bytes() == b"A"
+
+
+def test_a_node_stream_swapped_for_a_link_is_not_read_through(tmp_path: Path) -> None:
+    """verify reads the attempts a second time after checking the streams; it read them by path, so
+    a node stream directory replaced by a link to another target in between made verify print that
+    target's attempts (found with a 1.2-1.6 s delay). Now they are read through directory
+    descriptors without following links: the swapped stream yields nothing."""
+    from tests.helpers.restore import stream_dir
+
+    def target(at: Path, host: str) -> Path:
+        src = make_target(at)
+        doc = {"version": 1, "attempts": [{"attempt": 1, "job_id": "7", "how": "first", "hostname": host}]}
+        add_batch(src, NODE, [("file", ATTEMPTS_FILE, 1, 0, json.dumps(doc).encode())])
+        seal(src, NODE)
+        return src
+
+    src = target(tmp_path / "shared", "node-a")
+    other = target(tmp_path / "outside", "READ-FROM-OUTSIDE")
+    assert published_attempts(src)["node-a"][0]["hostname"] == "node-a"
+    sd = stream_dir(src, NODE)
+    sd.rename(tmp_path / "moved")
+    sd.symlink_to(stream_dir(other, NODE))
+    assert published_attempts(src) == {}
