@@ -488,6 +488,17 @@ def _scan(run: Run, root: Path) -> None:
         run.streams = {k: v for k, v in run.streams.items() if k[0] == lone_rank}
 
 
+def _holds_capture(path: Path) -> bool:
+    """A trace directory (``ranks/<R>/capture/trace.jsonl``) or one rank directory of one."""
+    if (path / CAPTURE_DIRNAME / CAPTURE_TRACE_FILE).exists():
+        return True
+    ranks = path / "ranks"
+    try:
+        return any((r / CAPTURE_DIRNAME / CAPTURE_TRACE_FILE).exists() for r in ranks.iterdir())
+    except OSError:
+        return False
+
+
 @contextlib.contextmanager
 def open_run(given: str, label: str) -> Iterator[Run]:
     """Resolve ``given`` into a :class:`Run`; a staged target is restored into a temporary dir first."""
@@ -506,6 +517,12 @@ def open_run(given: str, label: str) -> Iterator[Run]:
     run = Run(label, given, "", path.resolve())
     tmp: str | None = None
     try:
+        if holds_published_data(path) and not (path / ".opguard-bundles").is_dir() and _holds_capture(path):
+            # legacy archives beside capture traces: every file a rank writes is published and
+            # restored, so one rank's output could stand in for the run's traces
+            raise ConfigError(f"compare input {label}: {given} holds both capture traces (ranks/*/capture/) and "
+                              "legacy sync.tar.gz archives: which run is it",
+                              "pass the directory of the traces alone, or of the archives alone")
         if holds_published_data(path):
             tmp = tempfile.mkdtemp(prefix=f"opguard-compare-{label}-")
             # a lone rank directory (e.g. gpu_003 holding sync.tar.gz) keeps its name: it carries the rank

@@ -92,6 +92,8 @@ CASES = {
     "trace-link": (lambda b, t: ((b / CAP / "trace.jsonl").unlink(), (b / CAP / "trace.jsonl").symlink_to(
         t / "a" / CAP / "trace.jsonl")), 2),
     "trace-fifo": (lambda b, t: _fifo(b / CAP / "trace.jsonl"), 2),
+    # a rank's own output named sync.tar.gz beside the traces: compared as a legacy snapshot instead
+    "archive-beside-traces": (lambda b, t: (b / CAP.parent / "sync.tar.gz").write_bytes(b"garbage"), 2),
 }
 
 
