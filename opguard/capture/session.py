@@ -560,8 +560,20 @@ class Session:
     def rebound(self, t: Any) -> None:
         """``t.data = other`` gives ``t`` another memory, layout or element type with its version
         unchanged: its same-object record (§5.3, which compares version, address and shape, not
-        strides or dtype: ``w.data = w.data.T`` of a square ``w``) no longer describes it."""
+        strides or dtype: ``w.data = w.data.T`` of a square ``w``) no longer describes it, and
+        neither do the cached contents of its old memory: ``m.half(); m.float()`` puts the rounded
+        weight back at the old address with the old version, and the entry (still alive: it refers
+        to ``t``) was served for it."""
         self._seen.pop(id(t), None)
+        ptr = _address(t) if isinstance(t, torch.Tensor) else None
+        if ptr is None:
+            return
+        cache = self._cache
+        for k in list(self._at.get(_region(t, ptr)) or ()):
+            s = cache.get(k)
+            if s is not None and s.ref is not None and s.ref() is t:
+                del cache[k]
+                s.dead = True
 
     def release(self, t: Any) -> None:
         """Drop every weak reference capture holds to ``t`` (its cache entries, its same-object record,

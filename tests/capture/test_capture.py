@@ -990,6 +990,28 @@ def test_a_data_swap_is_seen_by_the_same_object_path(out_env: dict[str, str]) ->
     assert next(r for r in recs if r["fn"] == "Tensor.abs")["inputs"][0]["dtype"] == "int32"
 
 
+def test_a_round_trip_through_another_dtype_is_digested_again(out_env: dict[str, str]) -> None:
+    """``m.half(); m.float()`` (``param.data = ...`` twice): the rounded weight came back at the old
+    address with the old version, and the old cached content — still tied to the live parameter —
+    was served for it: every later use of the weight had its pre-round-trip digest (10 dump
+    mismatches on a Linear(256, 256)), and compare called the next layer 'introduced'."""
+    torch.manual_seed(0)
+    m = torch.nn.Linear(256, 256)
+    with oc.capture(env=out_env, dump_steps="0", dump_filter="torch.nn.functional.linear") as cap:
+        m(torch.ones(1, 256)).sum().item()
+        for _ in range(3):
+            m.half()
+            m.float()
+            m(torch.ones(1, 256)).sum().item()
+    recs = read_trace(cap.path)
+    lin = [r for r in ops(recs) if r["fn"] == "torch.nn.functional.linear"]
+    dumped = {r["seq"]: torch.load(cap.path.parent / r["path"]) for r in recs
+              if r["kind"] == "dump" and r["slot"] == "arg1"}
+    assert len(lin) == len(dumped) == 4
+    assert [r["inputs"][1]["digest"] for r in lin] == [oc_digest(dumped[r["seq"]]) for r in lin]
+    assert lin[0]["inputs"][1]["digest"] != lin[1]["inputs"][1]["digest"]  # rounded through float16
+
+
 def test_a_growing_resize_is_uninitialised(out_env: dict[str, str]) -> None:
     """``resize_`` that grows a tensor leaves its new elements uninitialised: its output is marked so
     (identical runs compared with an 'introduced' divergence on it); once written it is a result."""
