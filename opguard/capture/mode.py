@@ -256,7 +256,7 @@ class CaptureMode(TorchFunctionMode):
                 if name in _SHARES_MEMORY:  # t.numpy(), np.asarray(t): numpy can write t's memory now (§5.3)
                     s.shared(args[0])
                 elif getattr(func, "__name__", None) == "__set__":  # t.data = ...: another memory, layout, dtype
-                    s.rebound(args[0])
+                    s.rebound(args[0], args[1] if len(args) > 1 else None)
             except Exception as err:
                 s.failed("recording", err)
         if ((kind and (kind == records.METADATA or (kind == records.NOISE and not self.noise))) or s.cap_reached

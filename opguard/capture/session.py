@@ -557,7 +557,7 @@ class Session:
             if s is not None:
                 s.dead = True
 
-    def rebound(self, t: Any) -> None:
+    def rebound(self, t: Any, other: Any = None) -> None:
         """``t.data = other`` gives ``t`` another memory, layout or element type with its version
         unchanged: its same-object record (§5.3, which compares version, address and shape, not
         strides or dtype: ``w.data = w.data.T`` of a square ``w``) no longer describes it, and
@@ -574,6 +574,19 @@ class Session:
             if s is not None and s.ref is not None and s.ref() is t:
                 del cache[k]
                 s.dead = True
+        # t.data = torch.empty_like(t) (module.to_empty(), a materialised meta module): t now holds
+        # uninitialised memory, under its own version counter (a parameter's is not 0): the mark
+        # moves to t (§3.7)
+        if not isinstance(other, torch.Tensor):
+            return
+        optr = _address(other)
+        mark = self._uninit.get(optr) if optr is not None else None
+        if optr is not None and mark is not None and mark[0]() is other:
+            try:
+                if other._version == mark[1]:
+                    self._uninit[optr] = (weakref.ref(t), t._version)
+            except RuntimeError:  # an inference tensor: no version counter
+                pass
 
     def release(self, t: Any) -> None:
         """Drop every weak reference capture holds to ``t`` (its cache entries, its same-object record,

@@ -1012,6 +1012,26 @@ def test_a_round_trip_through_another_dtype_is_digested_again(out_env: dict[str,
     assert lin[0]["inputs"][1]["digest"] != lin[1]["inputs"][1]["digest"]  # rounded through float16
 
 
+def test_to_empty_leaves_parameters_marked_uninitialised(out_env: dict[str, str]) -> None:
+    """``module.to_empty()`` on a built CPU module sets ``param.data = torch.empty_like(param)``: the
+    parameters hold garbage under their own version counters (1, from init), and the first write
+    read that garbage as a result (identical runs compared with 2 inherited mismatches)."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(64, 64)
+    with oc.capture(env=out_env) as cap:
+        lin.to_empty(device="cpu")
+        with torch.no_grad():
+            lin.weight.copy_(torch.ones(64, 64))
+            lin.bias.zero_()
+        lin(torch.ones(2, 64)).sum()
+    recs = ops(read_trace(cap.path))
+    copy = next(r for r in recs if r["fn"] == "Tensor.copy_")
+    zero = next(r for r in recs if r["fn"] == "Tensor.zero_")
+    assert copy["inputs"][0]["uninitialized"] is True and zero["inputs"][0]["uninitialized"] is True
+    lin_rec = next(r for r in recs if r["fn"] == "torch.nn.functional.linear")
+    assert not any(e.get("uninitialized") for e in lin_rec["inputs"])  # written since: results
+
+
 def test_a_growing_resize_is_uninitialised(out_env: dict[str, str]) -> None:
     """``resize_`` that grows a tensor leaves its new elements uninitialised: its output is marked so
     (identical runs compared with an 'introduced' divergence on it); once written it is a result."""
