@@ -239,6 +239,17 @@ def test_the_fast_path_notice_only_when_capture_moved_the_module(out_env: dict[s
     assert meta["fast_path_off"] == (["MultiheadAttention"] if case == "bool_mask" else [])
 
 
+def test_mode_switches_are_not_recorded(out_env: dict[str, str]) -> None:
+    """torch.compile's runtime wrapper switches view replay on and off around every compiled call:
+    two tensor-less records per compiled forward."""
+    with oc.capture(env=out_env) as cap:
+        prev = torch._C._is_view_replay_enabled()
+        torch._C._set_view_replay_enabled(True)
+        torch._C._set_view_replay_enabled(prev)
+        torch.ones(2).sum()
+    assert [r["fn"] for r in ops(read_trace(cap.path))] == ["torch.ones", "Tensor.sum"]
+
+
 def test_public_names_of_fft_linalg_and_special_functions(out_env: dict[str, str]) -> None:
     """The builtins' own names are ``fft_rfft``, ``linalg_vector_norm``, ``special_erf``: records
     named ``torch.fft.fft_rfft``, and OPGUARD_CAPTURE_FUNCTIONS=torch.fft.rfft matched nothing."""
