@@ -671,10 +671,11 @@ def _compare_stream(writer: ExportWriter, sa: Stream, sb: Stream, tracks: tuple[
     if sa.kind == sb.kind == KIND_CAPTURE:  # wrappers either run collapsed: nested records left out (§3.10)
         sa.aside = sb.aside = sa.collapsed | sb.collapsed
         if sa.collapsed != sb.collapsed:
+            only_a, only_b = sorted(sa.collapsed - sb.collapsed)[:8], sorted(sb.collapsed - sa.collapsed)[:8]
             summ.notes.append(
-                "the runs collapsed different wrapper functions (docs/capture.md §3.10: A "
-                f"{', '.join(sorted(sa.collapsed)) or 'none'}; B {', '.join(sorted(sb.collapsed)) or 'none'}): "
-                "the calls nested in those functions were left out of the pairing on both sides")
+                "the runs collapsed different wrapper functions (docs/capture.md §3.10; only A: "
+                f"{', '.join(only_a) or 'none'}; only B: {', '.join(only_b) or 'none'}): the calls nested "
+                "in the functions either run collapsed were left out of the pairing on both sides")
     ia, ib = _pass1(sa, sb, intern, big)
     # call-site identities from the line correspondence of each file's two versions (docs/compare.md §2)
     ia.sites, ib.sites, notes = assign_identities(ia.sites, ib.sites, sa.sources.lines, sb.sources.lines)

@@ -307,8 +307,8 @@ def test_a_swapped_function_with_other_nested_calls_is_the_divergence(tmp_path: 
         assert "undetermined in A: nested-calls-differ 2" in p.stderr, p.stderr
     else:
         assert "0 unaligned operations" in p.stderr and "undetermined" not in p.stderr, p.stderr
-        assert "the runs collapsed different wrapper functions (docs/capture.md §3.10: A " \
-               "torch.nn.functional.relu; B none)" in p.stderr, p.stderr
+        assert "the runs collapsed different wrapper functions (docs/capture.md §3.10; only A: " \
+               "torch.nn.functional.relu; only B: none)" in p.stderr, p.stderr
 
 
 def test_a_line_edited_to_make_one_more_call_names_that_call(tmp_path: Path) -> None:
