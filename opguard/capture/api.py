@@ -106,6 +106,8 @@ def _inside_another_step() -> bool:
                 return True
         f = f.f_back
     return False
+
+
 # modules that take a fused inference fast path only when no torch function mode is active
 FAST_PATH_MODULES = (torch.nn.TransformerEncoderLayer, torch.nn.MultiheadAttention)
 

@@ -568,12 +568,7 @@ class Session:
         ptr = _address(t) if isinstance(t, torch.Tensor) else None
         if ptr is None:
             return
-        cache = self._cache
-        for k in list(self._at.get(_region(t, ptr)) or ()):
-            s = cache.get(k)
-            if s is not None and s.ref is not None and s.ref() is t:
-                del cache[k]
-                s.dead = True
+        self._drop_entries_of(t, _region(t, ptr))
         # t.data = torch.empty_like(t) (module.to_empty(), a materialised meta module): t now holds
         # uninitialised memory, under its own version counter (a parameter's is not 0): the mark
         # moves to t (§3.7)
@@ -602,13 +597,7 @@ class Session:
         if ptr is None:
             return
         region = _region(t, ptr)
-        cache = self._cache
-        for k in list(self._at.get(region) or ()):
-            s = cache.get(k)
-            if s is not None and s.ref is not None and s.ref() is t:
-                del cache[k]
-                s.dead = True
-                s.ref = None
+        self._drop_entries_of(t, region)
         for at in (ptr, region):
             mark = self._uninit.get(at)
             if mark is not None and mark[0]() is t:
@@ -616,6 +605,17 @@ class Session:
         shared = self._shared.get(region)
         if shared is not None and shared() is t:
             del self._shared[region]
+
+    def _drop_entries_of(self, t: torch.Tensor, region: int) -> None:
+        """Drop the cached contents of the storage at ``region`` that were computed for ``t`` (their
+        weak references to ``t`` go with them)."""
+        cache = self._cache
+        for k in list(self._at.get(region) or ()):
+            s = cache.get(k)
+            if s is not None and s.ref is not None and s.ref() is t:
+                del cache[k]
+                s.dead = True
+                s.ref = None
 
     def _dead_entry(self, ref: _Ref) -> None:
         s = self._cache.get(ref.key)

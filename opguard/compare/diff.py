@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import math
 import os
-import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from opguard.compare.records import Record, Slot, arg_changes
+from opguard.staging.fsutil import open_regular
 
 OK = "ok"
 MISMATCH = "mismatch"
@@ -103,10 +103,7 @@ def load_dump(path: str) -> Any:
     p = Path(path)
     # a regular file, its last component no link, never a FIFO or device (a dump record names a
     # file in its own rank directory: docs/compare.md §1)
-    fd = os.open(p, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
-    with os.fdopen(fd, "rb") as f:
-        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
-            raise ValueError(f"{p} is not a regular file")
+    with os.fdopen(open_regular(p), "rb") as f:
         if p.suffix == ".npy":
             arr = np.load(f, allow_pickle=False)
         else:

@@ -24,7 +24,6 @@ import json
 import os
 import re
 import shutil
-import stat
 import sys
 import tempfile
 from collections.abc import Iterator, Sequence
@@ -50,7 +49,9 @@ from opguard.compare.records import (
 )
 from opguard.errors import ConfigError, IdentityError, IntegrityError, OpguardError
 from opguard.staging import names
+from opguard.staging.fsutil import open_regular, read_json_nofollow
 from opguard.staging.layout import (
+    BUNDLES_DIRNAME,
     CAPTURE_DIRNAME,
     CAPTURE_META_FILE,
     CAPTURE_SOURCES_FILE,
@@ -59,7 +60,7 @@ from opguard.staging.layout import (
     SOURCE_COPY_MAX_BYTES,
     capture_dump_slot,
 )
-from opguard.staging.names import parse_rank_stream
+from opguard.staging.names import parse_rank_stream, printable
 from opguard.staging.writers import parse_segment
 
 REF_STREAM = "ops"
@@ -315,39 +316,18 @@ def read_regular(path: Path | str, limit: int, follow: bool = False) -> bytes | 
     """The bytes of ``path`` when it is a regular file of at most ``limit`` bytes, else None: a
     device (``/dev/zero``) or a FIFO listed or planted in a run directory is never read (no hang,
     no unbounded read); a symbolic link is not followed unless ``follow`` (a program's own source
-    file may be one). OSError propagates."""
-    flags = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0) | (0 if follow else os.O_NOFOLLOW)
+    file may be one). Other OSErrors propagate."""
     try:
-        fd = os.open(path, flags)
+        fd = open_regular(path, follow=follow)
     except OSError as e:
-        if e.errno == errno.ELOOP:  # a link where a file was expected
+        if e.errno in (errno.ELOOP, errno.EINVAL):  # a link, or not a regular file
             return None
         raise
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_size > limit:
+    with os.fdopen(fd, "rb") as f:
+        if os.fstat(f.fileno()).st_size > limit:
             return None
-        chunks, total = [], 0
-        while True:
-            b = os.read(fd, min(1 << 20, limit + 1 - total))
-            if not b:
-                break
-            chunks.append(b)
-            total += len(b)
-            if total > limit:
-                return None
-        return b"".join(chunks)
-    finally:
-        os.close(fd)
-
-
-def _json_file(path: Path) -> Any:
-    """A capture table (meta.json, sources.json): FileNotFoundError when absent, ValueError when it
-    is not a regular file of at most TABLE_MAX_BYTES or not JSON."""
-    data = read_regular(path, TABLE_MAX_BYTES)
-    if data is None:
-        raise ValueError(f"not a regular file of at most {TABLE_MAX_BYTES >> 20} MiB")
-    return json.loads(data)
+        data = f.read(limit + 1)
+    return data if len(data) <= limit else None
 
 
 def _capture_streams(run: Run, ranks_dir: Path) -> None:
@@ -375,7 +355,7 @@ def _capture_streams(run: Run, ranks_dir: Path) -> None:
 def _check_meta(path: Path, rank: int, notes: list[str]) -> frozenset[str]:
     """Check a capture's meta.json; its notes into ``notes``; returns the functions it collapsed."""
     try:
-        meta = _json_file(path)
+        meta = read_json_nofollow(path, TABLE_MAX_BYTES)
     except FileNotFoundError:
         return frozenset()
     except (OSError, ValueError, RecursionError) as e:
@@ -389,7 +369,7 @@ def _check_meta(path: Path, rank: int, notes: list[str]) -> frozenset[str]:
                             f"{CAPTURE_VERSION}", "upgrade opguard to compare this run")
     listed = meta.get("notes")
     for note in listed if isinstance(listed, list) else ():  # schema v2: capture's notes (docs/capture.md §2.1)
-        notes.append(f"capture: {str(note).translate(_CONTROL)[:1000]}")
+        notes.append(f"capture: {printable(note, 1000)}")
     if meta.get("rank") != rank:
         raise ConfigError(f"{path}: rank {meta.get('rank')!r} in the directory of rank {rank}",
                           "a rank directory must hold only its own rank's capture")
@@ -402,7 +382,6 @@ def _check_meta(path: Path, rank: int, notes: list[str]) -> frozenset[str]:
 
 # capture collapses at most this many functions (capture/wrappers.py _MAX_WATCHED); a longer list is not its own
 _MAX_COLLAPSED = 4096
-_CONTROL = {c: " " for c in (*range(32), 127)}
 
 
 def _capture_sources(rank_dir: Path) -> SourceCopies:
@@ -411,7 +390,7 @@ def _capture_sources(rank_dir: Path) -> SourceCopies:
     SHA-256 is still the recorded one (docs/compare.md §2)."""
     index = SourceCopies()
     try:
-        data = _json_file(rank_dir / CAPTURE_DIRNAME / CAPTURE_SOURCES_FILE)
+        data = read_json_nofollow(rank_dir / CAPTURE_DIRNAME / CAPTURE_SOURCES_FILE, TABLE_MAX_BYTES)
     except (OSError, ValueError, RecursionError):
         return index
     wanted: dict[str, tuple[str, str]] = {}
@@ -517,7 +496,7 @@ def open_run(given: str, label: str) -> Iterator[Run]:
     run = Run(label, given, "", path.resolve())
     tmp: str | None = None
     try:
-        if holds_published_data(path) and not (path / ".opguard-bundles").is_dir() and _holds_capture(path):
+        if holds_published_data(path) and not (path / BUNDLES_DIRNAME).is_dir() and _holds_capture(path):
             # legacy archives beside capture traces: every file a rank writes is published and
             # restored, so one rank's output could stand in for the run's traces
             raise ConfigError(f"compare input {label}: {given} holds both capture traces (ranks/*/capture/) and "

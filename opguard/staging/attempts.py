@@ -24,6 +24,7 @@ from opguard.staging.checkpoint import CHECKPOINT_FILE, load_checkpoint
 from opguard.staging.config import StagingConfig, env_bool
 from opguard.staging.fsutil import atomic_replace_bytes
 from opguard.staging.layout import BUNDLES_DIRNAME, NODE_STREAM_PREFIX, STREAMS_DIRNAME, Layout
+from opguard.staging.names import parse_stream, printable
 
 ATTEMPTS_FILE = "attempts.json"
 ATTEMPTS_VERSION = 1
@@ -52,16 +53,6 @@ def _utc(t: float | None) -> str:
         return time.strftime("%Y-%m-%d %H:%M:%SZ", time.gmtime(t))
     except (OverflowError, ValueError, OSError):  # NaN, 1e300, -1e18: a forged or damaged record
         return f"an invalid time ({t!r})"
-
-
-_CONTROL = {c: f"\\x{c:02x}" for c in (*range(32), 127)} | {0x85: "\\x85", 0x2028: "\\u2028", 0x2029: "\\u2029"}
-
-
-def _text(v: Any, limit: int = 200) -> str:
-    """A value read from the target, for one line of a report: control characters escaped (a
-    hostname holding a newline cannot print a line of its own), at most ``limit`` characters."""
-    s = str(v).translate(_CONTROL)
-    return s if len(s) <= limit else s[:limit] + "..."
 
 
 def resume_requested(env: Mapping[str, str]) -> bool:
@@ -230,15 +221,15 @@ def describe(attempt: Mapping[str, Any]) -> str:
     """One line: ``attempt 2: job 1234 on node1, 2026-12-01 21:00:00Z - 21:05:00Z, exit 0 (resumed: --resume)``."""
     how = {FIRST: "first launch", UNSEALED: "continued an unsealed run", RESUME_FLAG: "resumed: --resume",
            RESUME_ENV: f"resumed: {RESUME_VAR}=1", REQUEUE: "Slurm requeue"}.get(str(attempt.get("how")),
-                                                                                 _text(attempt.get("how")))
-    job = f"job {_text(attempt['job_id'])}" if attempt.get("job_id") else "no Slurm job"
+                                                                                 printable(attempt.get("how")))
+    job = f"job {printable(attempt['job_id'])}" if attempt.get("job_id") else "no Slurm job"
     start = attempt.get("started_at")
     end = attempt.get("ended_at")
     status = attempt.get("exit_status")
     span = f"{_utc(start if isinstance(start, int | float) else None)} - " + (
         _utc(end) if isinstance(end, int | float) else "(no end recorded)")
-    return (f"attempt {_text(attempt.get('attempt'))}: {job} on {_text(attempt.get('hostname'))}, {span}, "
-            f"exit {_text(status) if status is not None else '?'} ({how})")
+    return (f"attempt {printable(attempt.get('attempt'))}: {job} on {printable(attempt.get('hostname'))}, {span}, "
+            f"exit {printable(status) if status is not None else '?'} ({how})")
 
 
 # ---- reading them back from a run's shared output ------------------------------------------------
@@ -251,7 +242,6 @@ def published_attempts(source: Path) -> dict[str, list[dict[str, Any]]]:
     descriptors, no link followed, so a stream directory swapped for a link after ``verify``
     checked it cannot make this read another target."""
     from opguard.staging.fsutil import open_beneath, open_dir_nofollow
-    from opguard.staging.names import parse_stream
 
     try:
         src_fd = os.open(source, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)

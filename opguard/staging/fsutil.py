@@ -110,10 +110,11 @@ def makedirs_nofollow(root: Path, rel: str) -> int:
     return fd
 
 
-def open_regular(name: str | Path, dir_fd: int | None = None) -> int:
-    """Open a regular file for reading without following a link and without blocking on a FIFO;
-    ``OSError`` (``ELOOP``, or ``EINVAL`` "not a regular file") for anything else."""
-    fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
+def open_regular(name: str | Path, dir_fd: int | None = None, follow: bool = False) -> int:
+    """Open a regular file for reading without following a link (unless ``follow``) and without
+    blocking on a FIFO; ``OSError`` (``ELOOP``, or ``EINVAL`` "not a regular file") for anything else."""
+    flags = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | (0 if follow else os.O_NOFOLLOW)
+    fd = os.open(name, flags, dir_fd=dir_fd)
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise OSError(errno.EINVAL, "not a regular file", os.fspath(name))

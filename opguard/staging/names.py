@@ -36,6 +36,17 @@ def show(value: object) -> str:
     return f"{text[:_SHOWN]}... ({len(text)} characters)"
 
 
+_CONTROL = {c: f"\\x{c:02x}" for c in (*range(32), 127)} | {0x85: "\\x85", 0x2028: "\\u2028", 0x2029: "\\u2029"}
+
+
+def printable(value: object, limit: int = 200) -> str:
+    """A value read from a file others can write, for one line of a report: ``str`` with control
+    characters escaped (a value holding a newline cannot print a line of its own), at most
+    ``limit`` characters."""
+    text = str(value).translate(_CONTROL)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
 def _refuse(field: str, value: object, rule: str) -> IntegrityError:
     return IntegrityError(f"{field} {show(value)} is not {rule}", _FIX)
 
