@@ -1,6 +1,7 @@
-"""Build of the optional native host kernel (``opguard.capture._hostkernel``, docs/capture.md §5.2).
+"""Build of the optional native parts of capture: the host kernel (``opguard.capture._hostkernel``,
+docs/capture.md §5.2) and the function mode's common call (``opguard.capture._fastcall``, §3.11).
 
-Everything else is declared in pyproject.toml. The extension is optional: without a C compiler the
+Everything else is declared in pyproject.toml. Both extensions are optional: without a C compiler the
 install still succeeds, and capture summarises CPU tensors with PyTorch ops instead (it says so on
 stderr at start; ``OPGUARD_CAPTURE_HOST_KERNEL=native`` makes its absence an error).
 """
@@ -22,7 +23,14 @@ setup(
             extra_compile_args=flags,
             py_limited_api=True,
             optional=True,
-        )
+        ),
+        Extension(
+            "opguard.capture._fastcall",
+            ["opguard/capture/_fastcall.c"],
+            extra_compile_args=flags,
+            py_limited_api=True,
+            optional=True,
+        ),
     ],
     options={"bdist_wheel": {"py_limited_api": "cp310"}},
 )

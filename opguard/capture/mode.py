@@ -20,6 +20,11 @@ The handler calls the function through a stand-in for its caller (``frames.py``)
 inside it (``stacklevel``, PyTorch's C++ warnings) name the caller's file, line and module as without
 capture.
 
+When the C extension ``_fastcall`` is built, ``__torch_function__`` hands every call to it: it takes
+the common call (a planned function, plain arguments, the whole run selected) through the same
+Python steps as :meth:`CaptureMode.handle` and hands every other call to it (``docs/capture.md``
+§3.11; ``fast_call=0`` switches it off).
+
 Under ``torch.compile`` tracing the mode does nothing (``torch.compiler.is_dynamo_compiling()``): Dynamo
 sees a plain call; nor while ``torch.jit.trace`` traces (sizes are traced values then, and capture's own
 reads would enter the traced graph).
@@ -40,9 +45,11 @@ from opguard.capture import records
 from opguard.capture.frames import standin
 from opguard.capture.session import ANY as _ANY
 from opguard.capture.session import Call, Session
+from opguard.capture.session import _fastcall as _fastcall  # the C handler (_fastcall.c, §3.11), or None
 from opguard.staging.layout import capture_dump_slot
 
 _OPS = (torch._ops.OpOverload, torch._ops.OpOverloadPacket)
+_MAX_PLANS = 1 << 13
 _compiling = torch.compiler.is_dynamo_compiling  # False in eager code, True while Dynamo traces
 _jit_tracing = torch._C._get_tracing_state  # None in eager code; the tracer's state inside torch.jit.trace
 _skip_one_hop = torch._C._skip_one_hop_torch_function  # redispatch_function without its Python frame
@@ -204,16 +211,57 @@ class CaptureMode(TorchFunctionMode):
         # (function, first argument) of the calls this mode re-entered itself for, innermost last;
         # a collective wrapper's (function, ANY) while it runs (collectives.py)
         self.inflight = session.inflight
+        # the C handler of the common call (_fastcall.c, §3.11), and the functions it may handle:
+        # function -> (name, method, draws random numbers, written slots or None)
+        self.fast = _fast_handle if session.options.fast_call and on_output is None else None
+        self.plans: dict[Any, tuple[str, bool, bool, frozenset[str] | None]] = {}
+        self.passes: set[Any] = set()  # functions it passes through unrecorded
+
+    def _pass(self, func: Any) -> None:
+        """Let the C handler pass ``func``'s calls through (metadata, and noise not recorded, §3.5)."""
+        try:
+            if len(self.passes) >= _MAX_PLANS:
+                self.passes.clear()
+            self.passes.add(func)
+        except TypeError:  # unhashable
+            return
+
+    def _plan(self, func: Any, name: str, kind: int) -> None:
+        """Let the C handler take ``func``'s calls from now on when nothing but the common steps of
+        :meth:`handle` applies to it: recorded (not metadata, noise or a conversion), not special
+        (memory shared with numpy, ``t.data = ``, ``__setitem__``, a collective), not an
+        uninitialised or growing result, and not re-entered (a builtin, or a collapsed wrapper)."""
+        if (kind or name in _SPECIAL or name in self.c10d or name in _UNINITIALIZED_FNS or name in _GROWS
+                or name == "Tensor.__setitem__"):
+            return
+        try:
+            written = _written_get(name)
+            if written is None:
+                written = records.written_slots(name, func)
+            sd = _seeded_get(name)
+            seeded = bool(sd or (sd is None and records.seeded(name, func)))
+            if len(self.plans) >= _MAX_PLANS:  # functions made per call could pile up
+                self.plans.clear()
+            self.plans[func] = (name, name.startswith("Tensor."), seeded, written or None)
+        except TypeError:  # an unhashable callable: always the Python handler
+            return
 
     def __torch_function__(self, func: Any, types: Any, args: Sequence[Any] = (),
                            kwargs: Mapping[str, Any] | None = None) -> Any:
         if _compiling() or _jit_tracing() is not None:  # Dynamo / torch.jit.trace: capture is invisible to them
             return func(*args, **(kwargs or {}))
+        fast = self.fast
+        if fast is not None:  # the common call in C, every other call back to handle() (§3.11)
+            return fast(self, _getframe(1), func, types, args, kwargs)
+        return self.handle(_getframe(1), func, types, args, kwargs)
+
+    def handle(self, caller: Any, func: Any, types: Any, args: Sequence[Any], kwargs: Mapping[str, Any] | None
+               ) -> Any:
+        """One intercepted call of ``func`` made from the frame ``caller``."""
         kwargs = kwargs or {}
         s = self.session
         if s.busy:  # capture's own work
             return func(*args, **kwargs)
-        caller = _getframe(1)
         via = standin(caller)  # calls from a frame that reads as the caller's (frames.py)
         quiet = s.quiet
         if quiet is not None:  # inside an Optimizer.step() recorded as one record (optim.py): run it as it is
@@ -259,8 +307,11 @@ class CaptureMode(TorchFunctionMode):
                     s.rebound(args[0], args[1] if len(args) > 1 else None)
             except Exception as err:
                 s.failed("recording", err)
-        if ((kind and (kind == records.METADATA or (kind == records.NOISE and not self.noise))) or s.cap_reached
-                or s.closed):
+        if kind and (kind == records.METADATA or (kind == records.NOISE and not self.noise)):
+            if self.fast is not None and name not in _SPECIAL:  # always passed through: by the C handler from now on
+                self._pass(func)
+            return via(func, args, kwargs)
+        if s.cap_reached or s.closed:
             return via(func, args, kwargs)
         if not (s.all_steps or s.step in s.options.steps):  # a step left out: its writes are still seen
             return _unselected(s, name, func, args, kwargs, via(func, args, kwargs))
@@ -268,6 +319,8 @@ class CaptureMode(TorchFunctionMode):
         # unless the function was found to only forward its call (wrappers.py)
         wrappers = s.wrappers
         reenter = self.nested and isinstance(func, pytypes.FunctionType) and func not in wrappers.collapsed
+        if self.fast is not None and not reenter and func not in self.plans:
+            self._plan(func, name, kind)
         call: Call | None = None
         ins: list[tuple[str, torch.Tensor]] = []
         dump_out = False
@@ -387,3 +440,11 @@ class CaptureMode(TorchFunctionMode):
             s.maybe_flush_contained()
         return result
 
+
+
+if _fastcall is not None:  # what the C handler calls: the same objects handle() uses
+    _fastcall.configure(sys.modules[__name__],
+                        (str, torch.dtype, torch.device, torch.layout, torch.memory_format, torch.Size))
+    _fast_handle: Any = _fastcall.handle
+else:
+    _fast_handle = None

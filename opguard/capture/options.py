@@ -95,6 +95,7 @@ class CaptureOptions:
     buffer: int = 256
     nested: bool = True
     collapse_wrappers: bool = True
+    fast_call: bool = True
     host_kernel: str = "auto"
     record_noise: bool = False
     step_auto: bool = True
@@ -204,7 +205,7 @@ def _convert(name: str, raw: Any, what: str) -> Any:
             return int(raw)
         except (TypeError, ValueError):
             raise ConfigError(f"{what}={raw!r} is not an integer", f"set {what} to e.g. 256") from None
-    if name in ("nested", "collapse_wrappers", "record_noise", "step_auto"):
+    if name in ("nested", "collapse_wrappers", "fast_call", "record_noise", "step_auto"):
         if isinstance(raw, bool):
             return raw
         text = str(raw).strip().lower()

@@ -7,6 +7,7 @@ with one stacked ``.cpu()`` per device, kind and dtype every ``buffer`` records 
 
 from __future__ import annotations
 
+import importlib
 import json
 import math
 import os
@@ -45,6 +46,10 @@ _DTYPE_NAMES = {d: str(d).removeprefix("torch.") for d in (
     torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16, torch.int8,
     torch.uint8, torch.bool)}
 CACHE_ENTRIES = 8192
+try:  # the common tensor entry and the function mode's common call in C (_fastcall.c, docs/capture.md §3.11)
+    _fastcall: Any = importlib.import_module("opguard.capture._fastcall")
+except ImportError:  # not built (no C compiler at install time): the Python code alone
+    _fastcall = None
 _live: weakref.WeakSet[Session] = weakref.WeakSet()  # the sessions of this process, for the fork hooks
 
 
@@ -218,6 +223,8 @@ class Session:
                                 and own["_moments_json"] is _MOMENTS_JSON else None)
         # the kernel's in-place read of non-contiguous tensors (None: built before it existed)
         self.host_strided: Any = getattr(self.host, "strided", None) if self.host_digest else None
+        # _entry_fast's common cases in C (same results; §3.11), while _entry_fast is this module's own
+        self.c_entry: Any = _fastcall.entry if _fastcall is not None and options.fast_call else None
         self.buffer = options.buffer  # records held before a flush (read per op)
         self.sites = SiteTable()
         self.sources = SourceIndex()
@@ -771,7 +778,11 @@ class Session:
                     self._uninit.pop(ptr, None)  # a recorded op wrote this memory: its content is a result now
         if self.host_digest and not uninitialized and (output or not self._uninit or not self._still_uninitialized(t)):
             try:
-                fast = self._entry_fast(call, slot, t, output, fresh)
+                c = self.c_entry
+                fast = (c(self, call, slot, t, output, fresh) if c is not None and type(self)._entry_fast is _ENTRY_FAST
+                        else NotImplemented)
+                if fast is NotImplemented:
+                    fast = self._entry_fast(call, slot, t, output, fresh)
             except Exception:  # the general path below says what failed
                 fast = None
             if fast is not None:
@@ -1203,3 +1214,9 @@ class Session:
     @property
     def path(self) -> Path:
         return self.dir
+
+
+_ENTRY_FAST = Session._entry_fast  # what the C entry stands in for (a replaced _entry_fast is honoured)
+if _fastcall is not None:
+    _fastcall.configure_entry(records, _Tensor, _Parameter, sys.modules[__name__], hostkernel, _ENTRY_FAST, _Summary,
+                              _Ref, _CPU, _STRIDED)

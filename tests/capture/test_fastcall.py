@@ -1,0 +1,151 @@
+"""The function mode's common call in C (``opguard.capture._fastcall``, docs/capture.md §3.11): the
+same records as the Python handler, byte for byte, on a program that exercises every kind of
+argument, result and failure the C path takes or hands back; it takes the common calls; capture's
+own failures inside it are contained like the Python handler's; the program's exceptions and
+warnings reach it as without capture."""
+
+from __future__ import annotations
+
+import json
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="capture needs torch (pip install torch, CPU build)")
+
+import torch.nn.functional as F  # noqa: E402
+
+import opguard.capture as oc  # noqa: E402
+from opguard.capture import mode, records, session  # noqa: E402
+from opguard.capture.callsite import SiteTable  # noqa: E402
+from tests.capture.helpers import ops, read_trace  # noqa: E402
+
+pytestmark = [pytest.mark.torch]
+
+
+@pytest.fixture(scope="module")
+def fastcall() -> Any:
+    return pytest.importorskip("opguard.capture._fastcall",
+                               reason="the C handler is not built (pip install -e . needs a C compiler)")
+
+
+def program() -> list[Any]:
+    """Calls of every kind the C handler takes or hands back to Python."""
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.LayerNorm(8), torch.nn.Linear(8, 4))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x = torch.randn(6, 8, generator=g)
+    out: list[Any] = []
+    for _ in range(3):
+        opt.zero_grad(set_to_none=True)
+        h = model(x * 0.5 + 1)  # scalars, modules, a collapsed wrapper (F.relu) after two calls
+        h = h - h.sum(dim=1, keepdim=True) * 0.1 - h.mean()  # int and bool keywords
+        vals, idx = torch.max(h, dim=1)  # a named tuple of tensors
+        y = F.layer_norm(h, (4,))  # a tuple argument
+        y = F.softmax(y, dim=-1, dtype=torch.float32)  # a dtype keyword
+        y = y.clamp(min=-1.0, max=float("inf"))  # a non-finite float
+        z = torch.empty(6, 4)  # uninitialised: the Python path
+        torch.add(y.detach(), 1.0, out=z)  # out=: a written argument
+        z.mul_(2.0)  # in place
+        w = z.new_full((2,), 2 ** 60)  # an int beyond 2**53
+        r = torch.randn(3, generator=g)  # draws random numbers: "seeded"
+        s = torch.cat([z, y], dim=0)  # a list of tensors: the Python path
+        t = s[1:3]  # a slice: the Python path
+        u = s.to(torch.float64)  # a conversion: the Python path
+        loss = F.mse_loss(t.float(), torch.zeros(2, 4), reduction="sum") + vals.sum() + w.float().sum() + r.sum()
+        loss = loss + u.sum().float() + idx.sum()
+        loss.backward()
+        opt.step()
+        out.append(loss.detach())
+        try:
+            x.view(7, 5)  # the program's own exception, from a call the C handler takes
+        except RuntimeError:
+            pass
+    return out
+
+
+def captured(base: Path, fast: str) -> tuple[list[Any], list[str]]:
+    with oc.capture(env={"OPGUARD_TRACE_OUTPUT_BASE": str(base), "OPGUARD_CAPTURE_FAST_CALL": fast}) as cap:
+        result = program()
+    lines = [line for f in sorted(cap.path.glob("trace*.jsonl")) for line in f.read_text().splitlines()]
+    return result, lines
+
+
+def bits(ts: list[Any]) -> list[int]:
+    return [int(t.view(torch.int32).item()) for t in ts]
+
+
+def test_the_same_records_byte_for_byte_as_the_python_handler(fastcall: Any, tmp_path: Path) -> None:
+    plain = program()
+    a, fast = captured(tmp_path / "c", "1")
+    b, slow = captured(tmp_path / "py", "0")
+    assert bits(a) == bits(plain) == bits(b)
+    assert fast == slow
+    recs = [json.loads(line) for line in fast]
+    names = {r["fn"] for r in recs if r["kind"] == "op"}
+    assert {"Tensor.mul", "torch.max", "torch.nn.functional.layer_norm", "torch.add", "Tensor.mul_",
+            "Tensor.new_full", "torch.randn", "torch.cat", "Tensor.view"} <= names
+    view = [r for r in recs if r.get("fn") == "Tensor.view"]
+    assert view and all(r["error"].startswith("RuntimeError: shape '[7, 5]' is invalid") for r in view)
+
+
+def test_the_c_handler_takes_the_common_calls(fastcall: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: list[str] = []
+    original: Callable[..., Any] = mode.CaptureMode.handle
+
+    def counted(self: Any, caller: Any, func: Any, *rest: Any) -> Any:
+        seen.append(getattr(func, "__name__", "?"))
+        return original(self, caller, func, *rest)
+
+    monkeypatch.setattr(mode.CaptureMode, "handle", counted)
+    x = torch.randn(64)
+    with oc.capture(env={"OPGUARD_TRACE_OUTPUT_BASE": str(tmp_path)}) as cap:
+        for _ in range(50):
+            x = torch.tanh(x * 0.5 + 0.1)
+            x = x - x.mean()
+    assert len(ops(read_trace(cap.path))) == 250
+    assert len(seen) <= 5, seen  # each function's first call only (it is planned then)
+
+
+def test_a_failure_inside_the_c_handler_is_contained(fastcall: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                     capfd: pytest.CaptureFixture[str]) -> None:
+    def boom(*_a: Any, **_k: Any) -> Any:
+        raise RuntimeError("injected failure")
+
+    expected = program()
+    for n, (target, name) in enumerate([(session.Session, "entry"), (SiteTable, "lookup"),
+                                        (records, "arg_entry"), (mode, "tensors_in")]):
+        with monkeypatch.context() as m:
+            m.setattr(target, name, boom)
+            if name == "entry":  # the general entry is reached only when the fast one gives up
+                m.setattr(session.Session, "_entry_fast", lambda *a, **k: None)
+            got, lines = captured(tmp_path / str(n), "1")
+        assert bits(got) == bits(expected), name
+        err = capfd.readouterr().err
+        assert err.count("capture's own recording failed (recording: RuntimeError: injected failure)") == 1, name
+        recs = [json.loads(line) for line in lines]
+        if name != "lookup":  # the record exists and says what failed
+            assert any(r.get("capture_error") == "recording: RuntimeError: injected failure" for r in recs), name
+
+
+def test_warnings_and_tracebacks_name_the_program_s_line(fastcall: Any, tmp_path: Path) -> None:
+    x = torch.randn(4, 4)
+    with oc.capture(env={"OPGUARD_TRACE_OUTPUT_BASE": str(tmp_path)}):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(3):
+                torch.nn.functional.softmax(x)  # a Python-level function warning with stacklevel (implicit dim)
+        try:
+            x.view(3, 3)
+        except RuntimeError as e:
+            tb = e.__traceback__
+    assert caught and all(w.filename == __file__ for w in caught), [(w.filename, w.lineno) for w in caught]
+    files = []
+    while tb is not None:
+        files.append(tb.tb_frame.f_code.co_filename)
+        tb = tb.tb_next
+    assert files[0] == files[-1] == __file__  # the innermost frame reads as the program's line (frames.py)
