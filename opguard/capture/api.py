@@ -110,6 +110,7 @@ def _inside_another_step() -> bool:
 
 # modules that take a fused inference fast path only when no torch function mode is active
 FAST_PATH_MODULES = (torch.nn.TransformerEncoderLayer, torch.nn.MultiheadAttention)
+_DDP = torch.nn.parallel.DistributedDataParallel  # broadcasts buffers in C++ before its module runs
 
 
 class ModulePaths:
@@ -200,6 +201,8 @@ class ModulePaths:
             p = self.path(m)
             if not m.training and type(m) in FAST_PATH_MODULES:
                 self._fast_path(m, p, args)
+            if self.running and isinstance(self.running[-1], _DDP):
+                self._ddp_buffers(self.running[-1], m)
         except Exception as err:
             self.session.failed("recording", err)
             p = type(m).__name__
@@ -212,6 +215,14 @@ class ModulePaths:
         if self.running and self.running[-1] is m:
             self.running.pop()
             self.session.modules.pop()
+
+    def _ddp_buffers(self, ddp: Any, m: torch.nn.Module) -> None:
+        """``m`` is the module a ``DistributedDataParallel`` forward runs: DDP has just broadcast rank
+        0's buffers (BatchNorm running statistics) into it with ``broadcast_buffers=True``, in C++,
+        leaving their version counters as they were: their cached contents are dropped, so their
+        next use is digested from memory (``docs/capture.md`` §5.3)."""
+        if m is getattr(ddp, "module", None) and getattr(ddp, "broadcast_buffers", False):
+            self.session.written_unrecorded(list(m.buffers()))
 
     def _fast_path(self, m: torch.nn.Module, path: str, args: Any) -> None:
         """An eval-mode module whose fused fast path PyTorch refuses under any torch function mode

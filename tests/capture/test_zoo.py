@@ -21,12 +21,14 @@ from opguard.capture import records, session  # noqa: E402
 from tests.capture.helpers import ops, read_trace, trace_dir  # noqa: E402
 from tests.capture.progs import calls  # noqa: E402
 from tests.capture.progs.models import MLP  # noqa: E402
+from tests.capture.test_hostkernel import oc_digest_of  # noqa: E402
 from tests.capture.test_torchrun import TORCHRUN, clean_env, free_port, run, run_plain  # noqa: E402
 from tests.conftest import BIN  # noqa: E402
 
 pytestmark = [pytest.mark.torch]
 PROGS = Path(__file__).parent / "progs"
 ZOO, NANOGPT, DDP = str(PROGS / "zoo.py"), str(PROGS / "nanogpt.py"), str(PROGS / "ddp_app.py")
+DDP_BN = str(PROGS / "ddp_bn.py")
 PY = sys.executable
 
 
@@ -96,6 +98,34 @@ def test_ddp_on_gloo_through_torchrun_bitwise_equal(tmp_path: Path) -> None:
         assert any(r["fn"] == "torch.nn.functional.linear" and r["file"] == DDP for r in op)
         # each SGD.step() advanced the step (step 3: the calls after the last one)
         assert {r["step"] for r in op} == {0, 1, 2, 3}
+
+
+def test_ddp_broadcast_buffers_are_digested_from_memory(tmp_path: Path) -> None:
+    """DDP (``broadcast_buffers=True``, the default) writes rank 0's BatchNorm running statistics into
+    rank 1's module in C++ before each forward, leaving the version counters as they were: rank 1's
+    ``batch_norm`` records had its own, stale, running-mean digest from the step before (found
+    hand-testing; fails on the old code)."""
+    plain, cap = tmp_path / "plain", tmp_path / "cap"
+    plain.mkdir()
+    cap.mkdir()
+
+    def torchrun(out: Path) -> list[str]:
+        return [TORCHRUN, "--nnodes=1", "--nproc-per-node=2", "--master-addr=127.0.0.1",
+                f"--master-port={free_port()}", DDP_BN, str(out), "3"]
+
+    run_plain(torchrun(plain), clean_env())
+    base = tmp_path / "traces"
+    c = captured(torchrun(cap), base, dump_steps="0-10", dump_filter="torch.nn.functional.batch_norm")
+    assert "Traceback" not in c.stderr
+    for rank in (0, 1):
+        assert (plain / f"bn-{rank}.txt").read_text() == (cap / f"bn-{rank}.txt").read_text()
+        d = trace_dir(base, rank)
+        recs = read_trace(d)
+        bn = [r for r in ops(recs) if r["fn"] == "torch.nn.functional.batch_norm"]
+        dumped = {r["seq"]: torch.load(d.parent / r["path"]) for r in recs
+                  if r["kind"] == "dump" and r["slot"] == "arg1"}
+        assert len(bn) == len(dumped) == 3, rank
+        assert [r["inputs"][1]["digest"] for r in bn] == [oc_digest_of(dumped[r["seq"]]) for r in bn], rank
 
 
 # ---- records of an unmodified nanoGPT-style script ------------------------------------------------
