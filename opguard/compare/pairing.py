@@ -13,8 +13,9 @@ The rules, and nothing else (no similarity scores, no repair passes):
    sites had equal captured inputs, the calls whose function differs with basis
    ``function-differs`` (tried on the top-level operations alone when the functions made
    different nested calls); a segment that pairs once the calls whose key the other side's
-   segment lacks are set aside pairs the rest in order. Every other operation stays unresolved
-   with a reason from :data:`REASONS`.
+   segment lacks are set aside pairs the rest in order; in a segment nothing else pairs, its common
+   start and end (equal keys) pair in order. Every other operation stays unresolved with a reason
+   from :data:`REASONS`.
 
 Keys and anchor keys are plain integers chosen by the caller (:mod:`opguard.compare.records`):
 this module never sees an output value or shape.
@@ -282,6 +283,24 @@ def _edited_lines(seg_a: range, seg_b: range, keys_a: Sequence[int], keys_b: Seq
     return True
 
 
+def _common_ends(seg_a: range, seg_b: range, keys_a: Sequence[int], keys_b: Sequence[int], result: Pairing
+                 ) -> tuple[range, range]:
+    """docs/compare.md §2 rule 8, common ends: in a segment no other rule pairs, the longest run of
+    equal keys at its start, and then at its end, pair in order (basis ``between-anchors``), as
+    rule 4 pairs a whole segment (``nn.GRU`` edited to ``nn.LSTM``: the calls before the first one
+    the edit changed, and after the last, still pair). Returns what is left between them."""
+    a0, a1, b0, b1 = seg_a.start, seg_a.stop, seg_b.start, seg_b.stop
+    while a0 < a1 and b0 < b1 and keys_a[a0] == keys_b[b0]:
+        a0 += 1
+        b0 += 1
+    while a1 > a0 and b1 > b0 and keys_a[a1 - 1] == keys_b[b1 - 1]:
+        a1 -= 1
+        b1 -= 1
+    _in_order(result, range(seg_a.start, a0), range(seg_b.start, b0))
+    _in_order(result, range(a1, seg_a.stop), range(b1, seg_b.stop))
+    return range(a0, a1), range(b0, b1)
+
+
 def pair_streams(keys_a: Sequence[int], keys_b: Sequence[int],
                  anchors_a: Sequence[int], anchors_b: Sequence[int],
                  sites_a: Sequence[int] | None = None, sites_b: Sequence[int] | None = None,
@@ -365,6 +384,8 @@ def pair_streams(keys_a: Sequence[int], keys_b: Sequence[int],
                 seg_a, seg_b, keys_a, keys_b, changed_a, changed_b, result):
             continue
         why = NO_COUNTERPART_IN_SEGMENT if (not seg_a or not seg_b) else SEGMENT_DIFFERS
+        if seg_a and seg_b:
+            seg_a, seg_b = _common_ends(seg_a, seg_b, keys_a, keys_b, result)
         for i in seg_a:
             reason_a[i] = ANCHOR_ORDER_CONFLICT if i in conflict_a else why
         for j in seg_b:

@@ -462,3 +462,33 @@ def test_operands_swapped_on_a_line_are_introduced_there(tmp_path: Path, op: str
     fn = "Tensor.add" if op == "+" else "Tensor.sub"
     assert fd["function"] == fn and fd["kind"] == "the same inputs in another order", fd
     assert ("outputs.out.digest" in fd["fields"]) is (op == "-"), fd
+
+
+def test_a_module_edited_into_another_class_names_its_line(tmp_path: Path) -> None:
+    """``nn.GRU(4, 5)`` -> ``nn.LSTM(4, 5)`` inside a model: other parameter shapes at that line,
+    another number of calls in every forward (LSTM makes two initial states), no input anchor in
+    the stream. Nothing was paired (exit 2, 'nothing was paired'), and the summary named the
+    program's first, unchanged, call. The common start and end of the segment now pair (§2 rule 8),
+    and the first divergence is the first parameter made on the edited line (found hand-testing)."""
+    src = """import torch
+import torch.nn as nn
+torch.manual_seed(0)
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.pre = nn.Linear(3, 4)
+        self.rnn = nn.{rnn}(4, 5, batch_first=True)
+    def forward(self, x):
+        h, _ = self.rnn(self.pre(x))
+        return h
+net = Net()
+for it in range(2):
+    print(net(torch.randn(2, 6, 3)).sum().item().hex())
+"""
+    runs = _captured_pair(tmp_path, src.format(rnn="GRU"), src.format(rnn="LSTM"))
+    p = run_compare(runs["a"], runs["b"], tmp_path / "v.pftrace", extra=["--json", str(tmp_path / "s.json")])
+    assert p.returncode == 0, p.stderr
+    rank = json.loads((tmp_path / "s.json").read_text())["ranks"][0]
+    assert rank["pairs"] > 0 and set(rank["undetermined_a"]) == {"segment-differs"}, rank
+    fd = rank["first_divergence"]
+    assert fd["where"].endswith("swap.py:8") and fd["function"] == "torch.empty", fd

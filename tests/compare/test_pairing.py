@@ -24,9 +24,13 @@ def test_equal_sequences_pair_in_order_even_without_anchors() -> None:
 
 def test_unequal_without_anchors_stays_unresolved() -> None:
     # the same keys on both sides, in another order and number: order cannot pair them
-    p = pair_streams([1, 2, 3], [1, 3, 2, 3], [NO_ANCHOR] * 3, [NO_ANCHOR] * 4)
+    p = pair_streams([1, 2, 3], [3, 2, 1, 2], [NO_ANCHOR] * 3, [NO_ANCHOR] * 4)
     assert list(p.a_to_b) == [-1, -1, -1] and list(p.b_to_a) == [-1] * 4
     assert p.reason_a == [SEGMENT_DIFFERS] * 3 and p.reason_b == [SEGMENT_DIFFERS] * 4
+    # ... except their common start and end (§2 rule 8): only what is between stays unresolved
+    p = pair_streams([1, 2, 3], [1, 3, 2, 3], [NO_ANCHOR] * 3, [NO_ANCHOR] * 4)
+    assert list(p.a_to_b) == [0, 2, 3] and list(p.b_to_a) == [0, -1, 1, 2]
+    assert p.reason_b == [None, SEGMENT_DIFFERS, None, None] and set(p.basis_a) == {BETWEEN_ANCHORS}
     # one key only B has (§2 rule 6): set aside, the rest pairs
     from opguard.compare.pairing import NOT_IN_OTHER_SEGMENT
     p = pair_streams([1, 2, 3], [1, 9, 2, 3], [NO_ANCHOR] * 3, [NO_ANCHOR] * 4)
@@ -155,12 +159,13 @@ def test_calls_only_one_run_makes_are_set_aside_and_the_rest_pairs() -> None:
     # one call fewer in B: A's extra call set aside
     p = pair_streams(keys_b, keys_a, anchors_b, anchors_a)
     assert list(p.b_to_a) == [0, 1, 2, 4, 5, 7] and p.reason_a[3] == p.reason_a[6] == NOT_IN_OTHER_SEGMENT
-    # B repeats an iteration (keys both have, another count): nothing pairs by order
+    # B repeats an iteration (keys both have, another count): rule 6 does not pair it; the common
+    # start and end do (§2 rule 8), B's extra iteration stays unresolved
     p = pair_streams(keys_a, [1, 2, 3, 2, 3, 2, 3, 9], anchors_a, [7, 0, 0, 0, 0, 0, 0, 0])
-    assert list(p.a_to_b) == [0, -1, -1, -1, -1, -1] and p.reason_a[1] == SEGMENT_DIFFERS
-    # one-sided calls set aside, but the rest is in another order: nothing pairs
+    assert list(p.a_to_b) == [0, 1, 2, 3, 4, 7] and p.reason_b[5:7] == [SEGMENT_DIFFERS] * 2
+    # one-sided calls set aside, but the rest is in another order: only the common end pairs
     p = pair_streams(keys_a, [1, 3, 2, 50, 2, 3, 9], anchors_a, [7, 0, 0, 0, 0, 0, 0])
-    assert list(p.a_to_b) == [0, -1, -1, -1, -1, -1] and p.reason_a[1] == SEGMENT_DIFFERS
+    assert list(p.a_to_b) == [0, -1, -1, 4, 5, 6] and p.reason_a[1] == SEGMENT_DIFFERS
 
 
 @pytest.mark.parametrize(("anchors", "expected"), [
