@@ -9,7 +9,11 @@ the mode's handler: best of 5 × ``--calls`` of
 * ``new_output``: a new tensor's output entry (kernel pass, statistics, cache entry);
 * ``tensor_reads``: the nine tensor attribute reads the key path makes (dtype, is_cpu, layout,
   is_contiguous, is_neg, numel, _version, data_ptr, shape), for scale;
-* ``kernel_entry``: the native ``entry()`` call alone.
+* ``kernel_entry``: the native ``entry()`` call alone;
+* ``rewritten_output``: the same tensor again as a written output (``fresh``: digested from memory,
+  the storage's other cached contents dropped), as an optimizer step's parameters are;
+* ``c_cached_input``, ``c_rewritten_output``: the same through the C entry (``_fastcall.entry``,
+  ``docs/capture.md`` §3.11) when it is built.
 """
 
 from __future__ import annotations
@@ -54,6 +58,15 @@ def main() -> None:
             out["tensor_reads"] = min(timeit.repeat(
                 lambda: (t.dtype, t.is_cpu, t.layout, t.is_contiguous(), t.is_neg(), t.numel(), t._version,
                          t.data_ptr(), list(t.shape)), number=n, repeat=5)) / n
+            # a rewritten output (an input object as output: fresh, the storage's other contents dropped)
+            out["rewritten_output"] = min(timeit.repeat(lambda: fast(call, "out", t, True, True),
+                                                        number=n // 5, repeat=5)) / (n // 5)
+            c = s.c_entry  # the same two cases in C (docs/capture.md §3.11), when built
+            if c is not None:
+                out["c_cached_input"] = min(timeit.repeat(lambda: c(s, call, "arg0", t, False, False),
+                                                          number=n, repeat=5)) / n
+                out["c_rewritten_output"] = min(timeit.repeat(lambda: c(s, call, "out", t, True, True),
+                                                              number=n // 5, repeat=5)) / (n // 5)
             native, ptr = s.host_entry, t.data_ptr()
             if native is not None:
                 out["kernel_entry"] = min(timeit.repeat(lambda: native(ptr, k, 0, True), number=n, repeat=5)) / n
