@@ -42,6 +42,9 @@ from opguard.staging.writers import JsonlWriter, open_jsonl, rank_dir, write_ran
 
 SEGMENT_BYTES = 64 << 20
 _Tensor, _Parameter, _STRIDED, _CPU = torch.Tensor, torch.nn.Parameter, torch.strided, torch.device("cpu")
+_PLAIN = (_Tensor, _Parameter)
+_tf_enabled = torch._C._is_torch_function_enabled  # False inside DisableTorchFunction(Subclass)
+_NO_SUBCLASS_TF = torch._C.DisableTorchFunctionSubclass  # tensor subclasses' __torch_function__ off
 _DTYPE_NAMES = {d: str(d).removeprefix("torch.") for d in (
     torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16, torch.int8,
     torch.uint8, torch.bool)}
@@ -643,9 +646,11 @@ class Session:
                         and t.shape == size):
                     return {"slot": slot, "dtype": dn, "shape": shape, "device": "cpu", "digest": known.hex}
         tt = type(t)
+        if tt is not _Tensor and tt is not _Parameter:  # a subclass: the general path (read as a Tensor, entry())
+            return None
         dtype = t.dtype
         code = hostkernel.CODES.get(dtype)  # None for quantized element types too (no is_quantized read)
-        if ((tt is not _Tensor and tt is not _Parameter) or code is None or not t.is_cpu or t.layout is not _STRIDED
+        if (code is None or not t.is_cpu or t.layout is not _STRIDED
                 or t.is_neg()):
             return None
         if not t.is_contiguous():
@@ -769,6 +774,11 @@ class Session:
 
     def entry(self, call: Call, slot: str, t: torch.Tensor, output: bool, *, fresh: bool = False,
               uninitialized: bool = False) -> dict[str, Any]:
+        if type(t) not in _PLAIN and _tf_enabled():
+            # a tensor subclass: capture reads it as a Tensor, never through its __torch_function__
+            # (capture's reads are not the program's calls: a subclass that counts or logs them, §11)
+            with _NO_SUBCLASS_TF():
+                return self.entry(call, slot, t, output, fresh=fresh, uninitialized=uninitialized)
         if output and self._uninit and not uninitialized:
             if self._unwritten_view(t):  # a view of unwritten memory (view, chunk, ...): still unwritten
                 uninitialized = True
@@ -966,6 +976,10 @@ class Session:
             self.failed("writing", err)
 
     def dump(self, seq: int, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        with _NO_SUBCLASS_TF():  # tensor subclasses read as Tensors (see entry())
+            self._dump(seq, tensors)
+
+    def _dump(self, seq: int, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         for slot, t in tensors:
             if records.plain_data_reason(t) is not None or _functorch_wrapper(t):  # nothing of its own to save
                 continue

@@ -10,7 +10,7 @@ import json
 import warnings
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 
@@ -149,3 +149,38 @@ def test_warnings_and_tracebacks_name_the_program_s_line(fastcall: Any, tmp_path
         files.append(tb.tb_frame.f_code.co_filename)
         tb = tb.tb_next
     assert files[0] == files[-1] == __file__  # the innermost frame reads as the program's line (frames.py)
+
+
+class _Counting(torch.Tensor):
+    """A tensor subclass whose __torch_function__ logs every call made on its instances."""
+
+    calls: ClassVar[list[str]] = []
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        cls.calls.append(getattr(func, "__name__", str(func)))
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+@pytest.mark.parametrize("fast", ["1", "0"])
+def test_a_tensor_subclass_sees_only_the_program_s_calls(fast: str, tmp_path: Path) -> None:
+    """Capture's own reads of a tensor subclass (its dtype, shape, data pointer, the digest) went
+    through the subclass's ``__torch_function__``: a subclass that counts or logs its calls saw 9-11
+    calls for one ``c * 2`` instead of 1 (found by the differential test of the C path; fails on the
+    old code)."""
+    def program() -> list[str]:
+        c = torch.arange(6.0).as_subclass(_Counting)
+        _Counting.calls.clear()
+        r = (c * 2).sum() + torch.tanh(c).mean()
+        F.relu(c[1:])
+        r.item()
+        return list(_Counting.calls)
+
+    plain = program()
+    with oc.capture(env={"OPGUARD_TRACE_OUTPUT_BASE": str(tmp_path), "OPGUARD_CAPTURE_FAST_CALL": fast}) as cap:
+        got = program()
+    assert got == plain
+    recs = ops(read_trace(cap.path))
+    mul = [r for r in recs if r["fn"] == "Tensor.mul"]
+    assert mul and mul[0]["outputs"][0]["shape"] == [6]  # read as a Tensor (no digest: a subclass, §3.3)
+    assert mul[0]["outputs"][0]["reason"] == "tensor subclass _Counting"
