@@ -49,6 +49,21 @@ static int intern(PyObject **p, const char *s) {
     return *p == NULL ? -1 : 0;
 }
 
+/* An entry point called with its 6 arguments, after the configure calls it needs (mask: 1
+ * configure_entry(), 2 configure()); else -1 with the error set. */
+static int ready(Py_ssize_t n, const char *usage, int mask) {
+    if (n != 6) {
+        PyErr_Format(PyExc_TypeError, "opguard.capture._fastcall.%s takes 6 arguments, got %zd", usage, n);
+        return -1;
+    }
+    if ((configured & mask) != mask) {
+        PyErr_Format(PyExc_RuntimeError, "opguard.capture._fastcall.%s: called before configure_entry()%s", usage,
+                     mask & 2 ? " and configure()" : "");
+        return -1;
+    }
+    return 0;
+}
+
 /* mod.name(*args) */
 static PyObject *call_global(PyObject *mod, PyObject *name, PyObject *a, PyObject *b, PyObject *c, PyObject *d,
                              PyObject *e, PyObject *f) {
@@ -251,6 +266,7 @@ static PyObject *module_dict_get(PyObject *mod, PyObject *name, PyObject *key) {
 static PyObject *known(PyObject *s, PyObject *slot, PyObject *t, PyObject *sm, PyObject *dtype, PyObject *size,
                        PyObject *version, PyObject *ptr, int output) {
     PyObject *dn = NULL, *shape = NULL, *e = NULL, *hex = NULL, *seen = NULL, *ref = NULL, *rec = NULL, *id = NULL;
+    PyObject *result = NULL;
     dn = module_dict_get(g_session_mod, n_dtype_names, dtype);
     if (dn == NULL) {
         if (PyErr_Occurred()) goto fail;
@@ -293,14 +309,8 @@ static PyObject *known(PyObject *s, PyObject *slot, PyObject *t, PyObject *sm, P
     rec = PyTuple_Pack(7, ref, version, ptr, sm, dn, size, shape);
     id = PyLong_FromVoidPtr(t);
     if (rec == NULL || id == NULL || PyDict_SetItem(seen, id, rec) < 0) goto fail;
-    Py_DECREF(dn);
-    Py_DECREF(shape);
-    Py_DECREF(hex);
-    Py_DECREF(seen);
-    Py_DECREF(ref);
-    Py_DECREF(rec);
-    Py_DECREF(id);
-    return e;
+    result = e;
+    e = NULL;
 fail:
     Py_XDECREF(dn);
     Py_XDECREF(shape);
@@ -310,7 +320,7 @@ fail:
     Py_XDECREF(ref);
     Py_XDECREF(rec);
     Py_XDECREF(id);
-    return NULL;
+    return result;
 }
 
 /* _region(): where t's storage starts */
@@ -690,14 +700,7 @@ done:
 /* entry(session, call, slot, t, output, fresh) for Python: see entry_c() */
 static PyObject *entry_py(PyObject *self, PyObject *const *a, Py_ssize_t n) {
     (void)self;
-    if (n != 6) {
-        PyErr_SetString(PyExc_TypeError, "entry(session, call, slot, t, output, fresh)");
-        return NULL;
-    }
-    if (!(configured & 1)) {
-        PyErr_SetString(PyExc_RuntimeError, "opguard.capture._fastcall: configure_entry() was not called");
-        return NULL;
-    }
+    if (ready(n, "entry(session, call, slot, t, output, fresh)", 1) < 0) return NULL;
     int output = PyObject_IsTrue(a[4]), fresh = PyObject_IsTrue(a[5]);
     if (output < 0 || fresh < 0) return NULL;
     return entry_c(a[0], a[1], a[2], a[3], output, fresh);
@@ -1036,14 +1039,7 @@ error:
 /* handle(mode, caller, func, types, args, kwargs) */
 static PyObject *handle(PyObject *self, PyObject *const *a, Py_ssize_t n) {
     (void)self;
-    if (n != 6) {
-        PyErr_SetString(PyExc_TypeError, "handle(mode, caller, func, types, args, kwargs)");
-        return NULL;
-    }
-    if (configured != 3) {
-        PyErr_SetString(PyExc_RuntimeError, "opguard.capture._fastcall: configure_entry() and configure() were not called");
-        return NULL;
-    }
+    if (ready(n, "handle(mode, caller, func, types, args, kwargs)", 3) < 0) return NULL;
     PyObject *mode = a[0], *caller = a[1], *func = a[2], *types = a[3], *args = a[4], *kwargs = a[5];
     PyObject *s = NULL, *plans = NULL, *plan = NULL, *inflight = NULL, *via = NULL, *result = NULL;
     PyObject *kwd = NULL;

@@ -28,7 +28,6 @@ from tests.conftest import BIN  # noqa: E402
 pytestmark = [pytest.mark.torch]
 PROGS = Path(__file__).parent / "progs"
 ZOO, NANOGPT, DDP = str(PROGS / "zoo.py"), str(PROGS / "nanogpt.py"), str(PROGS / "ddp_app.py")
-DDP_BN = str(PROGS / "ddp_bn.py")
 PY = sys.executable
 
 
@@ -79,18 +78,19 @@ def test_zoo_of_model_families_bitwise_equal_under_opguard_run_capture(tmp_path:
     assert not any(r.get("capture_error") for r in op)
 
 
+def _ddp(out: Path, *extra: str) -> list[str]:
+    """2 ranks of ``progs/ddp_app.py`` through torchrun, 3 steps, writing to ``out``."""
+    return [TORCHRUN, "--nnodes=1", "--nproc-per-node=2", "--master-addr=127.0.0.1", f"--master-port={free_port()}",
+            DDP, str(out), "3", *extra]
+
+
 def test_ddp_on_gloo_through_torchrun_bitwise_equal(tmp_path: Path) -> None:
     plain, cap = tmp_path / "plain", tmp_path / "cap"
     plain.mkdir()
     cap.mkdir()
-
-    def torchrun(out: Path) -> list[str]:
-        return [TORCHRUN, "--nnodes=1", "--nproc-per-node=2", "--master-addr=127.0.0.1",
-                f"--master-port={free_port()}", DDP, str(out), "3"]
-
-    run_plain(torchrun(plain), clean_env())
+    run_plain(_ddp(plain), clean_env())
     base = tmp_path / "traces"
-    c = captured(torchrun(cap), base)
+    c = captured(_ddp(cap), base)
     assert "Traceback" not in c.stderr
     for rank in (0, 1):
         assert (plain / f"loss-{rank}.txt").read_text() == (cap / f"loss-{rank}.txt").read_text()
@@ -108,14 +108,9 @@ def test_ddp_broadcast_buffers_are_digested_from_memory(tmp_path: Path) -> None:
     plain, cap = tmp_path / "plain", tmp_path / "cap"
     plain.mkdir()
     cap.mkdir()
-
-    def torchrun(out: Path) -> list[str]:
-        return [TORCHRUN, "--nnodes=1", "--nproc-per-node=2", "--master-addr=127.0.0.1",
-                f"--master-port={free_port()}", DDP_BN, str(out), "3"]
-
-    run_plain(torchrun(plain), clean_env())
+    run_plain(_ddp(plain, "bn"), clean_env())
     base = tmp_path / "traces"
-    c = captured(torchrun(cap), base, dump_steps="0-10", dump_filter="torch.nn.functional.batch_norm")
+    c = captured(_ddp(cap, "bn"), base, dump_steps="0-10", dump_filter="torch.nn.functional.batch_norm")
     assert "Traceback" not in c.stderr
     for rank in (0, 1):
         assert (plain / f"bn-{rank}.txt").read_text() == (cap / f"bn-{rank}.txt").read_text()
