@@ -319,8 +319,13 @@ class CaptureMode(TorchFunctionMode):
         # unless the function was found to only forward its call (wrappers.py)
         wrappers = s.wrappers
         reenter = self.nested and isinstance(func, pytypes.FunctionType) and func not in wrappers.collapsed
-        if self.fast is not None and not reenter and func not in self.plans:
-            self._plan(func, name, kind)
+        if self.fast is not None and not reenter:
+            try:
+                planned = func in self.plans
+            except TypeError:  # an unhashable callable: always this handler
+                planned = True
+            if not planned:
+                self._plan(func, name, kind)
         call: Call | None = None
         ins: list[tuple[str, torch.Tensor]] = []
         dump_out = False

@@ -184,3 +184,30 @@ def test_a_tensor_subclass_sees_only_the_program_s_calls(fast: str, tmp_path: Pa
     mul = [r for r in recs if r["fn"] == "Tensor.mul"]
     assert mul and mul[0]["outputs"][0]["shape"] == [6]  # read as a Tensor (no digest: a subclass, §3.3)
     assert mul[0]["outputs"][0]["reason"] == "tensor subclass _Counting"
+
+
+class _Unhashable:
+    """A callable a library hands to ``torch.overrides.handle_torch_function`` as its public API,
+    with ``__eq__`` and no hash."""
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __eq__(self, other: object) -> bool:
+        return other is self
+
+    def __call__(self, x: Any) -> Any:
+        return x * 2
+
+
+@pytest.mark.parametrize("fast", ["1", "0"])
+def test_an_unhashable_torch_function_passes_through(fast: str, tmp_path: Path) -> None:
+    """Planning a function for the C handler looked it up in a dict: an unhashable callable reaching
+    the mode raised TypeError into the program (fails on the code before this commit)."""
+    f = _Unhashable()
+    x = torch.ones(3)
+    with oc.capture(env={"OPGUARD_TRACE_OUTPUT_BASE": str(tmp_path), "OPGUARD_CAPTURE_FAST_CALL": fast}) as cap:
+        for _ in range(3):
+            r = torch.overrides.handle_torch_function(f, (x,), x)
+    assert torch.equal(r, torch.full((3,), 2.0))
+    recs = ops(read_trace(cap.path))
+    assert len(recs) == 3 and all(r["inputs"][0]["shape"] == [3] for r in recs), recs
