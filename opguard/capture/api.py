@@ -24,6 +24,7 @@ from opguard.capture.dispatch import AtenMode, tag_outputs
 from opguard.capture.mode import CaptureMode
 from opguard.capture.optim import OptimizerSteps
 from opguard.capture.options import CaptureOptions
+from opguard.capture.resize import ResizeGuard
 from opguard.capture.session import Session
 from opguard.capture.swap import SwapGuard
 from opguard.errors import ConfigError
@@ -272,6 +273,7 @@ class Capture:
         self.modules = ModulePaths(self.session)
         self.collectives = Collectives(self.session)
         self.swaps = SwapGuard(self.session)
+        self.resizes = ResizeGuard(self.session)
         self.optimizer_steps = (OptimizerSteps(self.session, self.modules, self.mode)
                                 if options.optimizer == "step" else None)
         self.modules.optimizer_steps = self.optimizer_steps
@@ -292,6 +294,7 @@ class Capture:
         self.modules.install()
         self.collectives.install()
         self.swaps.install()
+        self.resizes.install()
         if self.optimizer_steps is not None:  # each step one record (optim.py): its hooks first
             self._optim_hooks.append(register_optimizer_step_pre_hook(self.optimizer_steps.pre))
             self._optim_hooks.append(register_optimizer_step_post_hook(self.optimizer_steps.post))
@@ -333,6 +336,7 @@ class Capture:
             self.modules.uninstall()
             self.collectives.uninstall()
             self.swaps.uninstall()
+            self.resizes.uninstall()
             while self._optim_hooks:
                 self._optim_hooks.pop().remove()
             try:

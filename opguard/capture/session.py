@@ -16,7 +16,7 @@ import socket
 import sys
 import time
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -133,6 +133,11 @@ def _region(t: torch.Tensor, ptr: int) -> int:
         return ptr - int(off) * t.element_size() if off else ptr
     except Exception:  # no storage (a wrapper subclass): its own address
         return ptr
+
+
+def _NO_TENSOR() -> None:
+    """The tensor of an uninitialised mark that has none (memory a storage resize grew, resized())."""
+    return None
 
 
 class _Ref(weakref.ref):  # type: ignore[type-arg]
@@ -267,7 +272,7 @@ class Session:
         self._failures: set[tuple[str, torch.dtype]] = set()  # summary failures already said on stderr
         self._stage_failures: dict[tuple[str, str], int] = {}  # (stage, exception type) -> count
         # outputs of uninitialised-memory ops not written since: data_ptr -> (weak ref, _version)
-        self._uninit: dict[int, tuple[weakref.ref[torch.Tensor], int]] = {}
+        self._uninit: dict[int, tuple[Callable[[], torch.Tensor | None], int | None]] = {}
         # storage start (_region) -> the tensor seen sharing that memory outside torch (numpy, DLPack):
         # its contents are never cached (shared())
         self._shared: dict[int, weakref.ref[torch.Tensor]] = {}
@@ -558,6 +563,22 @@ class Session:
                 self._uninit.pop(region, None)
                 self._uninit.pop(ptr, None)
                 self._drop_storage(region)
+
+    def resized(self, old: int, new: int, old_bytes: int, new_bytes: int) -> None:
+        """A storage was resized (``UntypedStorage.resize_``, which capture's mode does not see: FSDP2
+        frees its unsharded parameters' memory with ``resize_(0)`` while the parameter objects live
+        on, and re-allocates it before the next all-gather). Its old memory (``old``) may now hold
+        another tensor, and its new memory (``new``) whatever the allocator left: the cached contents
+        of both are dropped (a cached entry is otherwise served while its tensor lives, which this
+        one does), and memory grown from nothing is uninitialised until something writes it (a mark
+        with no tensor and no version, cleared by the first write there, §3.7)."""
+        for region in {old, new} - {0}:
+            self._drop_storage(region)
+            self._uninit.pop(region, None)
+        if new and new_bytes and not old_bytes:
+            self._uninit[new] = (_NO_TENSOR, None)
+            while len(self._uninit) > CACHE_ENTRIES:  # bounded: the oldest marks go first
+                del self._uninit[next(iter(self._uninit))]
 
     def _drop_storage(self, region: int) -> None:
         """Drop every cached content of the storage starting at ``region`` (and mark it stale for the
@@ -854,6 +875,8 @@ class Session:
         if hit is None:
             return self._unwritten_view(t)
         ref, version = hit
+        if version is None:  # memory a storage resize grew from nothing (resized()): any tensor there
+            return True
         base = ref()
         if base is None:
             # The factory's own tensor object is gone, but its memory may live on in another tensor
@@ -887,6 +910,8 @@ class Session:
         if hit is None:
             return False
         ref, version = hit
+        if version is None:  # memory a storage resize grew from nothing (resized())
+            return True
         try:
             return ref() is base and base._version == version
         except RuntimeError:  # an inference tensor

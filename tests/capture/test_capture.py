@@ -1142,3 +1142,43 @@ def test_shared_memory_is_read_at_every_use(out_env: dict[str, str]) -> None:
     negs = [r["inputs"][0]["digest"] for r in ops(read_trace(cap.path)) if r["fn"] == "Tensor.neg"]
     ones_bytes = torch.frombuffer(bytearray(b"\x01" * 16), dtype=torch.float32)
     assert negs == [oc_digest(torch.zeros(4)), oc_digest(ones_bytes)]
+
+
+def test_storage_resize_drops_cached_digests_and_marks_regrown_memory(tmp_path: Path) -> None:
+    """FSDP2 frees its unsharded parameters' memory with ``untyped_storage().resize_(0)`` while the
+    parameter objects live on, and re-allocates it with ``resize_(n)`` before the next all-gather.
+    Before, capture's digest cache kept serving a freed parameter's digest (its tensor was alive) to
+    a new tensor the allocator put at that address with the same key: an identical FSDP2 rerun
+    compared with a false "first divergence: linear, outputs differ, inputs equal". Now a storage
+    resize drops the cached contents of the old and the new memory, and memory re-grown from
+    nothing is uninitialised until something writes it (docs/capture.md §3.7, §5.3)."""
+    with oc.capture(env={"OPGUARD_TRACE_OUTPUT_BASE": str(tmp_path)}) as cap:
+        shape = (2048, 5120)  # 40 MiB: mmap'd, so the allocator gives the freed address back at once
+        w = torch.randn(shape)
+        a, b = torch.ones(2048, 1), torch.ones(1, 5120)
+        w.mul(1.0)  # w's content cached (an input): alive, keyed by its address
+        at = w.data_ptr()
+        w.untyped_storage().resize_(0)  # freed; the tensor object lives on
+        held, o = [], None
+        for _ in range(4):  # a new output at w's old address (the allocator reuses the block)
+            c = torch.mm(a, b)
+            if c.data_ptr() == at:
+                o = c
+                break
+            held.append(c)
+        assert o is not None, "the allocator never reused the freed block: the case is not exercised"
+        o.add(0.0)  # o as an input: its digest must be its own content's
+        w.untyped_storage().resize_(2048 * 5120 * 4)  # re-grown: whatever the allocator left
+        w.view(-1)  # a view of unwritten memory: uninitialised as input and output
+        w.copy_(torch.full(shape, 2.0))  # written: content again
+        w.view(-1)
+    op = ops(read_trace(cap.path))
+    mms = [r for r in op if r["fn"] == "torch.mm"]
+    assert mms[-1]["outputs"][0]["digest"] == oc_digest(torch.ones(shape))
+    add = next(r for r in op if r["fn"] == "Tensor.add")
+    assert add["inputs"][0]["digest"] == oc_digest(torch.ones(shape))
+    views = [r for r in op if r["fn"] == "Tensor.view"]
+    assert views[0]["inputs"][0].get("uninitialized") is True and views[0]["inputs"][0]["digest"] is None
+    assert views[0]["outputs"][0].get("uninitialized") is True
+    assert views[1]["inputs"][0]["digest"] == oc_digest(torch.full(shape, 2.0))
+    assert "uninitialized" not in views[1]["outputs"][0]

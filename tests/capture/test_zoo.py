@@ -28,6 +28,7 @@ from tests.conftest import BIN  # noqa: E402
 pytestmark = [pytest.mark.torch]
 PROGS = Path(__file__).parent / "progs"
 ZOO, NANOGPT, DDP = str(PROGS / "zoo.py"), str(PROGS / "nanogpt.py"), str(PROGS / "ddp_app.py")
+FSDP2 = str(PROGS / "fsdp2_app.py")
 PY = sys.executable
 
 
@@ -98,6 +99,48 @@ def test_ddp_on_gloo_through_torchrun_bitwise_equal(tmp_path: Path) -> None:
         assert any(r["fn"] == "torch.nn.functional.linear" and r["file"] == DDP for r in op)
         # each SGD.step() advanced the step (step 3: the calls after the last one)
         assert {r["step"] for r in op} == {0, 1, 2, 3}
+
+
+def _fsdp2(out: Path, *extra: str) -> list[str]:
+    """2 ranks of ``progs/fsdp2_app.py`` through torchrun, 3 steps, writing to ``out``."""
+    return [TORCHRUN, "--nnodes=1", "--nproc-per-node=2", "--master-addr=127.0.0.1", f"--master-port={free_port()}",
+            FSDP2, str(out), "3", *extra]
+
+
+def test_fsdp2_identical_reruns_compare_equal_and_a_changed_lr_is_the_first_divergence(tmp_path: Path) -> None:
+    """FSDP2 (``fully_shard``, gloo) frees and re-allocates its unsharded parameters' memory with
+    ``UntypedStorage.resize_``, which capture's mode does not see. Before, capture's digest cache
+    served a freed parameter's digest to whatever the allocator put at its address next (the
+    parameter object lives on), and views of the re-allocated memory were digested as content: two
+    identical runs compared with 188 mismatches and, on rank 1, a false "first divergence" (a
+    ``linear`` whose outputs differed with equal inputs). Found hand-testing; fails on the old code."""
+    plain, a, b, v = (tmp_path / n for n in ("plain", "a", "b", "v"))
+    for d in (plain, a, b, v):
+        d.mkdir()
+    run_plain(_fsdp2(plain), clean_env())
+    for out in (a, b):
+        c = captured(_fsdp2(out), tmp_path / f"traces-{out.name}")
+        assert "Traceback" not in c.stderr
+        for rank in (0, 1):
+            assert (plain / f"loss-{rank}.txt").read_text() == (out / f"loss-{rank}.txt").read_text()
+    captured(_fsdp2(v, "0.02"), tmp_path / "traces-v")
+
+    def compare(x: str, y: str) -> dict[str, Any]:
+        js = tmp_path / f"{x}{y}.json"
+        run([str(BIN / "opguard"), "compare", str(tmp_path / f"traces-{x}"), str(tmp_path / f"traces-{y}"),
+             "-o", str(tmp_path / f"{x}{y}.pftrace"), "--json", str(js)], clean_env())
+        return dict(json.loads(js.read_text()))
+
+    same = compare("a", "b")
+    assert same["pairs"] > 600 and same["mismatch"] == 0 and same["unaligned"] == 0
+    for rank in (0, 1):
+        op = ops(read_trace(trace_dir(tmp_path / "traces-a", rank)))
+        views = [r for r in op if r["fn"] == "Tensor.view" and r["parent"] is not None]
+        assert any(e.get("uninitialized") for r in views for e in r["inputs"])  # the re-allocated memory
+    changed = compare("a", "v")
+    for r in changed["ranks"]:
+        first = r["first_divergence"]
+        assert first["function"] == "torch.optim.AdamW.step" and first["args"] == ["group0.lr: 0.01 -> 0.02"]
 
 
 def test_ddp_broadcast_buffers_are_digested_from_memory(tmp_path: Path) -> None:
