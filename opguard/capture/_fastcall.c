@@ -628,6 +628,19 @@ static PyObject *entry_c(PyObject *s, PyObject *call, PyObject *slot, PyObject *
             if (ref == NULL) goto done;
             PyObject *obj = ref == Py_None ? NULL : PyObject_CallNoArgs(ref);
             int live = obj != NULL && obj != Py_None;
+            if (live) { /* _holds(): and still at ptr (Tensor.set_, a storage resize: it lives on elsewhere) */
+                PyObject *at = method0(obj, n_data_ptr);
+                live = at != NULL && PyObject_RichCompareBool(at, ptr, Py_EQ) == 1;
+                Py_XDECREF(at);
+                if (!live && PyErr_Occurred()) {
+                    if (!PyErr_ExceptionMatches(PyExc_Exception)) {
+                        Py_DECREF(ref);
+                        Py_XDECREF(obj);
+                        goto done;
+                    }
+                    PyErr_Clear(); /* a tensor without memory of its own now: not at ptr */
+                }
+            }
             Py_DECREF(ref);
             Py_XDECREF(obj);
             if (PyErr_Occurred()) goto done;

@@ -135,6 +135,18 @@ def _region(t: torch.Tensor, ptr: int) -> int:
         return ptr
 
 
+def _holds(t: torch.Tensor | None, ptr: Any) -> bool:
+    """``t`` (a cached summary's tensor) is alive and still at ``ptr``: a tensor that lives on can
+    lose its memory to another tensor (``Tensor.set_``, which no torch function mode sees; a
+    storage resize), and then its cached content is not that memory's (§5.3)."""
+    if t is None:
+        return False
+    try:
+        return bool(t.data_ptr() == ptr)
+    except Exception:  # a tensor without memory of its own now: not at ptr
+        return False
+
+
 def _NO_TENSOR() -> None:
     """The tensor of an uninitialised mark that has none (memory a storage resize grew, resized())."""
     return None
@@ -471,7 +483,7 @@ class Session:
         (normally already dropped by its callback) is stale: the memory may hold a new tensor at
         the same address and version."""
         s = self._cache.get(key)
-        if s is None or s.ref is None or s.ref() is None:
+        if s is None or s.ref is None or not _holds(s.ref(), key[0]):
             return None
         return s
 
@@ -690,7 +702,7 @@ class Session:
             if region in self._at:
                 self._wrote(region, key)
         s = None if fresh else self._cache.get(key)
-        if s is not None and (s.ref is None or s.ref() is None):  # self._lookup(key), inline
+        if s is not None and (s.ref is None or not _holds(s.ref(), ptr)):  # self._lookup(key), inline
             s = None
         if s is None:  # self._fast_host(t, key, n, code if output else None), inline
             s = _Summary(None, None, n)
@@ -749,7 +761,7 @@ class Session:
             if region in self._at:
                 self._wrote(region, key)
         s = None if fresh else self._cache.get(key)
-        if s is not None and (s.ref is None or s.ref() is None):
+        if s is not None and (s.ref is None or not _holds(s.ref(), ptr)):
             s = None
         if s is None:
             values = None

@@ -1182,3 +1182,45 @@ def test_storage_resize_drops_cached_digests_and_marks_regrown_memory(tmp_path: 
     assert views[0]["outputs"][0].get("uninitialized") is True
     assert views[1]["inputs"][0]["digest"] == oc_digest(torch.full(shape, 2.0))
     assert "uninitialized" not in views[1]["outputs"][0]
+
+
+def test_a_cached_digest_is_not_served_once_its_tensor_moved_to_other_memory(tmp_path: Path) -> None:
+    """``Tensor.set_`` gives a tensor another memory, and no torch function mode sees it (PyTorch does
+    not dispatch it): the tensor lives on, so its cached content was served to the next tensor the
+    allocator put at its old address with the same key. A cached entry is now served only while its
+    tensor is alive *and still at that address* (docs/capture.md §5.3; fails on the previous commit)."""
+    with oc.capture(env={"OPGUARD_TRACE_OUTPUT_BASE": str(tmp_path)}) as cap:
+        shape = (2048, 5120)  # 40 MiB: mmap'd, so the allocator gives the freed address back at once
+        w = torch.randn(shape)
+        a, b = torch.ones(2048, 1), torch.ones(1, 5120)
+        w.mul(1.0)  # w's content cached
+        at = w.data_ptr()
+        w.set_(torch.zeros(3).untyped_storage())  # w's memory freed; w lives on elsewhere
+        held, o = [], None
+        for _ in range(4):
+            c = torch.mm(a, b)
+            if c.data_ptr() == at:
+                o = c
+                break
+            held.append(c)
+        assert o is not None, "the allocator never reused the freed block: the case is not exercised"
+        o.add(0.0)
+    op = ops(read_trace(cap.path))
+    assert [r for r in op if r["fn"] == "torch.mm"][-1]["outputs"][0]["digest"] == oc_digest(torch.ones(shape))
+    assert next(r for r in op if r["fn"] == "Tensor.add")["inputs"][0]["digest"] == oc_digest(torch.ones(shape))
+    for fast_call in ("0",):  # the Python entry path too (the C one ran above when built)
+        with oc.capture(env={"OPGUARD_TRACE_OUTPUT_BASE": str(tmp_path / "py"),
+                             "OPGUARD_CAPTURE_FAST_CALL": fast_call}) as cap2:
+            w = torch.randn(shape)
+            w.mul(1.0)
+            at = w.data_ptr()
+            w.set_(torch.zeros(3).untyped_storage())
+            held = []
+            for _ in range(4):
+                c = torch.mm(a, b)
+                if c.data_ptr() == at:
+                    break
+                held.append(c)
+            assert c.data_ptr() == at
+        mm = [r for r in ops(read_trace(cap2.path)) if r["fn"] == "torch.mm"][-1]
+        assert mm["outputs"][0]["digest"] == oc_digest(torch.ones(shape))
