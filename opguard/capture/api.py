@@ -92,6 +92,19 @@ def _step_wrapper_code() -> Any:
 _STEP_WRAPPER = _step_wrapper_code()
 
 
+def _graph_task() -> int:
+    """The id of the backward pass (autograd graph task) running on this thread, -1 outside one."""
+    try:
+        return int(torch._C._current_graph_task_id())
+    except Exception:  # a PyTorch without it: every step advances when it returns
+        return -1
+
+
+def _queue_callback(cb: Any) -> None:
+    """Run ``cb`` when the backward pass running now finishes (what DDP and FSDP use)."""
+    torch.autograd.Variable._execution_engine.queue_callback(cb)
+
+
 def _inside_another_step() -> bool:
     """Whether the optimizer step whose post-hook runs now was called inside another optimizer's
     step (a wrapper optimizer: ``ZeroRedundancyOptimizer``, Lookahead): two of torch's step
@@ -280,6 +293,7 @@ class Capture:
         self._entered: list[Any] = []
         self._optim_hooks: list[Any] = []
         self._thread = threading.get_ident()  # torch function modes are per thread: so are steps (start())
+        self._backward_task: int | None = None  # the backward pass whose optimizer steps advance the step at its end
 
     @property
     def path(self) -> Any:
@@ -316,6 +330,28 @@ class Capture:
             return
         s = self.session
         if s.step_source == "marker" or _inside_another_step():  # the outer step advances it, once
+            return
+        task = _graph_task()
+        if task != -1:  # stepped inside a backward pass (an optimizer per parameter, from its gradient
+            # hook): that backward's steps are one training step, advanced once when it finishes
+            if task == self._backward_task:
+                return
+            try:
+                _queue_callback(self._backward_done)
+                self._backward_task = task
+                return
+            except Exception:  # no callback to queue: advanced here, as for any other step
+                pass
+        try:
+            s.advance("optimizer")
+        except Exception as err:
+            s.failed("writing", err)
+
+    def _backward_done(self) -> None:
+        """The end of a backward pass in which optimizers stepped (``_optimizer_stepped``)."""
+        self._backward_task = None
+        s = self.session
+        if s.step_source == "marker" or s.closed:
             return
         try:
             s.advance("optimizer")

@@ -1224,3 +1224,33 @@ def test_a_cached_digest_is_not_served_once_its_tensor_moved_to_other_memory(tmp
             assert c.data_ptr() == at
         mm = [r for r in ops(read_trace(cap2.path)) if r["fn"] == "torch.mm"][-1]
         assert mm["outputs"][0]["digest"] == oc_digest(torch.ones(shape))
+
+
+def test_optimizers_stepped_inside_a_backward_advance_the_step_once_when_it_ends(tmp_path: Path) -> None:
+    """The optimizer in backward (one optimizer per parameter, stepped from
+    ``register_post_accumulate_grad_hook``, a pattern PyTorch documents to save memory): before, each
+    parameter's ``step()`` advanced the step, so 3 iterations of a 4-parameter model were steps 0-12
+    and a step selection picked single optimizer records. Now the steps taken inside one backward
+    pass advance the step once, when that backward finishes (docs/capture.md §3.6)."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    opts = {p: torch.optim.AdamW([p], lr=1e-2) for p in net.parameters()}
+
+    def hook(p: torch.Tensor) -> None:
+        opts[p].step()
+        opts[p].zero_grad()
+
+    for p in net.parameters():
+        p.register_post_accumulate_grad_hook(hook)
+    x = torch.randn(5, 4)
+    with oc.capture(env={"OPGUARD_TRACE_OUTPUT_BASE": str(tmp_path)}) as cap:
+        for _ in range(3):
+            net(x).square().mean().backward()
+    recs = read_trace(cap.path)
+    op = ops(recs)
+    steps = [r for r in op if r["fn"] == "torch.optim.AdamW.step"]
+    assert [r["step"] for r in steps] == [0] * 4 + [1] * 4 + [2] * 4
+    assert [r["step"] for r in op if r["fn"] == "torch.nn.functional.linear"] == [0, 0, 1, 1, 2, 2]
+    assert [r["step"] for r in recs if r["kind"] == "step"] == [1, 2, 3]
+    meta = json.loads((cap.path / "meta.json").read_text())
+    assert meta["step_source"] == "optimizer"
