@@ -10,7 +10,10 @@ their ``handle_torch_function`` path under any mode. This script times each mode
 (thread CPU) of each, their ratio (the floor no capture built on a function mode can go below),
 the intercepted calls per step and the µs each costs. ``floor_ratio_optimizer_off`` is the same with
 the empty mode taken off the stack during every ``Optimizer.step()`` (as capture does with its
-mode, ``docs/capture.md`` §3.8): the floor under capture's design. Same process, same models, one
+mode, ``docs/capture.md`` §3.8). ``floor_ratio_design`` adds what capture's module paths need: a
+global forward pre-hook and a global forward hook (``torch.nn.modules.module``), both empty, which
+alone send every module call through PyTorch's hook-running path of ``Module._call_impl``: the floor
+under capture's whole design, before any of capture's own work. Same process, same models, one
 thread.
 """
 
@@ -64,7 +67,17 @@ def main() -> None:
     register_optimizer_step_pre_hook(pre)
     register_optimizer_step_post_hook(post)
 
-    def timed(step: Any, mode: bool, optimizer_off: bool = False) -> tuple[float, int]:
+    from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+
+    def timed(step: Any, mode: bool, optimizer_off: bool = False, hooks: bool = False) -> tuple[float, int]:
+        if hooks:
+            handles = [register_module_forward_pre_hook(lambda m, a: None),
+                       register_module_forward_hook(lambda m, a, o: None)]
+            try:
+                return timed(step, mode, optimizer_off)
+            finally:
+                for h in handles:
+                    h.remove()
         best = 1e9
         if not mode:
             for _ in range(args.steps):
@@ -89,7 +102,7 @@ def main() -> None:
         step = make(name)
         step()
         step()
-        base, moded, moff = 1e9, 1e9, 1e9
+        base, moded, moff, design = 1e9, 1e9, 1e9, 1e9
         calls = calls_off = 0
         for _ in range(args.rounds):
             base = min(base, timed(step, False)[0])
@@ -97,10 +110,12 @@ def main() -> None:
             moded = min(moded, m)
             m, calls_off = timed(step, True, optimizer_off=True)
             moff = min(moff, m)
+            design = min(design, timed(step, True, optimizer_off=True, hooks=True)[0])
         out[name] = {"base_ms": round(base * 1e3, 3), "empty_mode_ms": round(moded * 1e3, 3),
                      "floor_ratio": round(moded / base, 3), "calls_per_step": calls,
                      "us_per_call": round((moded - base) * 1e6 / max(calls, 1), 2),
-                     "floor_ratio_optimizer_off": round(moff / base, 3), "calls_per_step_optimizer_off": calls_off}
+                     "floor_ratio_optimizer_off": round(moff / base, 3), "calls_per_step_optimizer_off": calls_off,
+                     "floor_ratio_design": round(design / base, 3)}
         print(f"{name}: done", file=sys.stderr, flush=True)
     load.append(round(os.getloadavg()[0], 2))
     print(json.dumps({"models": out, "loadavg_1min_start_end": load, "torch": torch.__version__}, indent=1))
