@@ -18,6 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from opguard.capture import records
 from opguard.capture.frames import standin
 from opguard.capture.mode import tensors_in
 from opguard.capture.session import ANY, Session
@@ -133,6 +134,71 @@ def _wrap(session: Session, name: str, orig: Callable[..., Any], thread: int,
     return wrapper
 
 
+# collectives of picklable Python objects: torch.distributed pickles the objects into byte tensors and
+# runs tensor collectives on them, inside the call
+OBJECT_COLLECTIVES = ("all_gather_object", "gather_object", "broadcast_object_list", "scatter_object_list",
+                      "send_object_list", "recv_object_list")
+
+
+def _object_arg(slot: str, value: Any) -> dict[str, Any]:
+    """An object collective's argument: the objects (and lists of them) by their type only."""
+    if "obj" in slot and value is not None:
+        t = type(value)
+        return {"slot": slot, "type": "object", "value": f"{t.__module__}.{t.__qualname__}"}
+    return records.arg_entry(slot, value)
+
+
+def _wrap_objects(session: Session, name: str, orig: Callable[..., Any], thread: int) -> Callable[..., Any]:
+    """An object collective as one record (``api: collective``) with its arguments and no tensor: the
+    byte tensors of pickles it moves, and the tensor collectives and calls it makes on them, are its
+    implementation and are not recorded (a pickle can differ between two identical runs: a uuid, a
+    time — ``torch.distributed.checkpoint`` gathers such metadata at every save). What it gives back
+    are new Python objects: no tensor the program held is written."""
+    sig = inspect.signature(orig)
+    fn = f"torch.distributed.{name}"
+
+    @functools.wraps(orig)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        s = session
+        if not s.active or s.busy or torch.compiler.is_dynamo_compiling() or threading.get_ident() != thread:
+            return orig(*args, **kwargs)
+        via = standin(sys._getframe(1))
+        call = None
+        try:
+            bound = sig.bind(*args, **kwargs)
+            bound.apply_defaults()
+            site = s.sites.lookup(sys._getframe(1))
+            call = s.begin("collective", fn, site)
+            rec = call.rec
+            rec["args"] = [_object_arg(p, v) for p, v in bound.arguments.items()]
+            try:
+                rec["group_size"] = dist.get_world_size(bound.arguments.get("group")) if dist.is_initialized() else None
+            except Exception:  # a group this rank is not part of
+                rec["group_size"] = None
+        except TypeError as err:
+            if call is None:
+                return via(orig, args, kwargs)  # arguments that do not bind: let torch raise its own error
+            s.failed("recording", err, call)
+            return via(orig, args, kwargs)
+        except Exception as err:
+            s.failed("recording", err, call)
+            return via(orig, args, kwargs)
+        s.parents.append(rec["seq"])
+        s.busy += 1  # its pickles' tensors and collectives: not the program's calls
+        try:
+            result = via(orig, args, kwargs)
+        except BaseException as e:
+            rec["error"] = f"{type(e).__name__}: {e}"[:500]
+            raise
+        finally:
+            s.busy -= 1
+            s.parents.pop()
+        s.maybe_flush_contained()
+        return result
+
+    return wrapper
+
+
 class Collectives:
     """Install/uninstall the wrappers on the ``torch.distributed`` module."""
 
@@ -147,6 +213,11 @@ class Collectives:
             orig = getattr(dist, name)
             self.saved[name] = orig
             setattr(dist, name, _wrap(self.session, name, orig, threading.get_ident(), spec))
+        for name in OBJECT_COLLECTIVES:
+            orig = getattr(dist, name, None)
+            if callable(orig) and name not in self.saved:
+                self.saved[name] = orig
+                setattr(dist, name, _wrap_objects(self.session, name, orig, threading.get_ident()))
 
     def uninstall(self) -> None:
         for name, orig in self.saved.items():
