@@ -342,21 +342,19 @@ class Capture:
                 return
             except Exception:  # no callback to queue: advanced here, as for any other step
                 pass
-        try:
-            s.advance("optimizer")
-        except Exception as err:
-            s.failed("writing", err)
+        self._advance()
 
     def _backward_done(self) -> None:
         """The end of a backward pass in which optimizers stepped (``_optimizer_stepped``)."""
         self._backward_task = None
-        s = self.session
-        if s.step_source == "marker" or s.closed:
-            return
+        if self.session.step_source != "marker" and not self.session.closed:
+            self._advance()
+
+    def _advance(self) -> None:
         try:
-            s.advance("optimizer")
-        except Exception as err:
-            s.failed("writing", err)
+            self.session.advance("optimizer")
+        except Exception as err:  # writing the step record failed: said once, the program goes on
+            self.session.failed("writing", err)
 
     def stop(self) -> None:
         global _active

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from opguard.capture import records
 from opguard.capture.frames import standin
 from opguard.capture.mode import tensors_in
-from opguard.capture.session import ANY, Session
+from opguard.capture.session import ANY, Call, Session
 
 # name -> (parameters written by the collective, parameters only written: not summarised as inputs)
 COLLECTIVES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
@@ -66,7 +66,34 @@ def collectives() -> dict[str, tuple[tuple[str, ...], tuple[str, ...]]]:
             out[name] = (params, ())
     return out
 ASYNC_ALWAYS = ("isend", "irecv")
+
+
+def _group_size(group: Any) -> int | None:
+    """The size of ``group`` (None: the default group), None when this rank is not part of it."""
+    try:
+        return dist.get_world_size(group) if dist.is_initialized() else None
+    except Exception:  # a group this rank is not part of
+        return None
+
+
 _no_modes = torch._C.DisableTorchFunction  # capture's own tensor reads skip the function mode
+
+
+def _begin(s: Session, fn: str, sig: inspect.Signature, args: Any, kwargs: Any, caller: Any,
+           fill: Callable[[Call, dict[str, Any]], Any]) -> tuple[Call, dict[str, Any], Any] | None:
+    """The record of a wrapped call, its bound arguments and what ``fill(call, arguments)`` gave;
+    None when the call is to run unrecorded: arguments that do not bind (torch raises its own
+    error), or capture's own failure (said once, §11)."""
+    call = None
+    try:
+        bound = sig.bind(*args, **kwargs)
+        bound.apply_defaults()
+        call = s.begin("collective", fn, s.sites.lookup(caller))
+        return call, bound.arguments, fill(call, bound.arguments)
+    except Exception as err:
+        if call is not None or not isinstance(err, TypeError):
+            s.failed("recording", err, call)
+        return None
 
 
 def _wrap(session: Session, name: str, orig: Callable[..., Any], thread: int,
@@ -80,33 +107,22 @@ def _wrap(session: Session, name: str, orig: Callable[..., Any], thread: int,
         s = session
         if not s.active or s.busy or torch.compiler.is_dynamo_compiling() or threading.get_ident() != thread:
             return orig(*args, **kwargs)  # capture is the starting thread's (its records, its stacks)
-        via = standin(sys._getframe(1))  # calls from a frame that reads as the caller's (frames.py)
-        call = None
-        try:
-            bound = sig.bind(*args, **kwargs)
-            bound.apply_defaults()
-            arguments = bound.arguments
-            site = s.sites.lookup(sys._getframe(1))
-            call = s.begin("collective", fn, site)
-            rec = call.rec
+        caller = sys._getframe(1)
+        via = standin(caller)  # calls from a frame that reads as the caller's (frames.py)
+
+        def fill(call: Call, arguments: dict[str, Any]) -> bool:
             with _no_modes():  # capture's own tensor reads are not the program's calls
                 s.inputs(call, [st for p, v in arguments.items() if p not in only_written for st in tensors_in(v, p)])
-            group = arguments.get("group")
-            try:
-                rec["group_size"] = dist.get_world_size(group) if dist.is_initialized() else None
-            except Exception:  # a group this rank is not part of
-                rec["group_size"] = None
+            call.rec["group_size"] = _group_size(arguments.get("group"))
             if "op" in arguments:
-                rec["op"] = getattr(arguments["op"], "name", str(arguments["op"]))
-            is_async = name in ASYNC_ALWAYS or bool(arguments.get("async_op", False))
-        except TypeError as err:
-            if call is None:
-                return via(orig, args, kwargs)  # arguments that do not bind: let torch raise its own error
-            s.failed("recording", err, call)
+                call.rec["op"] = getattr(arguments["op"], "name", str(arguments["op"]))
+            return name in ASYNC_ALWAYS or bool(arguments.get("async_op", False))
+
+        begun = _begin(s, fn, sig, args, kwargs, caller, fill)
+        if begun is None:
             return via(orig, args, kwargs)
-        except Exception as err:
-            s.failed("recording", err, call)
-            return via(orig, args, kwargs)
+        call, arguments, is_async = begun
+        rec = call.rec
         s.parents.append(rec["seq"])
         # torch.distributed's own functions come back to the function mode for this call
         # (handle_torch_function): the collective record is the call, the mode runs it unrecorded
@@ -162,27 +178,17 @@ def _wrap_objects(session: Session, name: str, orig: Callable[..., Any], thread:
         s = session
         if not s.active or s.busy or torch.compiler.is_dynamo_compiling() or threading.get_ident() != thread:
             return orig(*args, **kwargs)
-        via = standin(sys._getframe(1))
-        call = None
-        try:
-            bound = sig.bind(*args, **kwargs)
-            bound.apply_defaults()
-            site = s.sites.lookup(sys._getframe(1))
-            call = s.begin("collective", fn, site)
-            rec = call.rec
-            rec["args"] = [_object_arg(p, v) for p, v in bound.arguments.items()]
-            try:
-                rec["group_size"] = dist.get_world_size(bound.arguments.get("group")) if dist.is_initialized() else None
-            except Exception:  # a group this rank is not part of
-                rec["group_size"] = None
-        except TypeError as err:
-            if call is None:
-                return via(orig, args, kwargs)  # arguments that do not bind: let torch raise its own error
-            s.failed("recording", err, call)
+        caller = sys._getframe(1)
+        via = standin(caller)
+
+        def fill(call: Call, arguments: dict[str, Any]) -> None:
+            call.rec["args"] = [_object_arg(p, v) for p, v in arguments.items()]
+            call.rec["group_size"] = _group_size(arguments.get("group"))
+
+        begun = _begin(s, fn, sig, args, kwargs, caller, fill)
+        if begun is None:
             return via(orig, args, kwargs)
-        except Exception as err:
-            s.failed("recording", err, call)
-            return via(orig, args, kwargs)
+        rec = begun[0].rec
         s.parents.append(rec["seq"])
         s.busy += 1  # its pickles' tensors and collectives: not the program's calls
         try:

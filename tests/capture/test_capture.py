@@ -1183,6 +1183,18 @@ def test_shared_memory_is_read_at_every_use(out_env: dict[str, str]) -> None:
     assert negs == [oc_digest(torch.zeros(4)), oc_digest(ones_bytes)]
 
 
+def _mm_at(a: torch.Tensor, b: torch.Tensor, at: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """``torch.mm(a, b)`` until an output lands at address ``at`` (the allocator reuses a freed
+    block), and the outputs before it (kept alive, so that their addresses are not given again)."""
+    held: list[torch.Tensor] = []
+    for _ in range(4):
+        c = torch.mm(a, b)
+        if c.data_ptr() == at:
+            return c, held
+        held.append(c)
+    raise AssertionError("the allocator never reused the freed block: the case is not exercised")
+
+
 def test_storage_resize_drops_cached_digests_and_marks_regrown_memory(tmp_path: Path) -> None:
     """FSDP2 frees its unsharded parameters' memory with ``untyped_storage().resize_(0)`` while the
     parameter objects live on, and re-allocates it with ``resize_(n)`` before the next all-gather.
@@ -1198,14 +1210,7 @@ def test_storage_resize_drops_cached_digests_and_marks_regrown_memory(tmp_path: 
         w.mul(1.0)  # w's content cached (an input): alive, keyed by its address
         at = w.data_ptr()
         w.untyped_storage().resize_(0)  # freed; the tensor object lives on
-        held, o = [], None
-        for _ in range(4):  # a new output at w's old address (the allocator reuses the block)
-            c = torch.mm(a, b)
-            if c.data_ptr() == at:
-                o = c
-                break
-            held.append(c)
-        assert o is not None, "the allocator never reused the freed block: the case is not exercised"
+        o, _held = _mm_at(a, b, at)  # a new output at w's old address
         o.add(0.0)  # o as an input: its digest must be its own content's
         w.untyped_storage().resize_(2048 * 5120 * 4)  # re-grown: whatever the allocator left
         w.view(-1)  # a view of unwritten memory: uninitialised as input and output
@@ -1223,46 +1228,25 @@ def test_storage_resize_drops_cached_digests_and_marks_regrown_memory(tmp_path: 
     assert "uninitialized" not in views[1]["outputs"][0]
 
 
-def test_a_cached_digest_is_not_served_once_its_tensor_moved_to_other_memory(tmp_path: Path) -> None:
+@pytest.mark.parametrize("fast_call", ["1", "0"])
+def test_a_cached_digest_is_not_served_once_its_tensor_moved_to_other_memory(tmp_path: Path, fast_call: str) -> None:
     """``Tensor.set_`` gives a tensor another memory, and no torch function mode sees it (PyTorch does
     not dispatch it): the tensor lives on, so its cached content was served to the next tensor the
     allocator put at its old address with the same key. A cached entry is now served only while its
-    tensor is alive *and still at that address* (docs/capture.md §5.3; fails on the previous commit)."""
-    with oc.capture(env={"OPGUARD_TRACE_OUTPUT_BASE": str(tmp_path)}) as cap:
+    tensor is alive *and still at that address*, in the C entry and the Python one
+    (docs/capture.md §5.3; fails on the previous commit)."""
+    with oc.capture(env={"OPGUARD_TRACE_OUTPUT_BASE": str(tmp_path), "OPGUARD_CAPTURE_FAST_CALL": fast_call}) as cap:
         shape = (2048, 5120)  # 40 MiB: mmap'd, so the allocator gives the freed address back at once
         w = torch.randn(shape)
         a, b = torch.ones(2048, 1), torch.ones(1, 5120)
         w.mul(1.0)  # w's content cached
         at = w.data_ptr()
         w.set_(torch.zeros(3).untyped_storage())  # w's memory freed; w lives on elsewhere
-        held, o = [], None
-        for _ in range(4):
-            c = torch.mm(a, b)
-            if c.data_ptr() == at:
-                o = c
-                break
-            held.append(c)
-        assert o is not None, "the allocator never reused the freed block: the case is not exercised"
+        o, _held = _mm_at(a, b, at)
         o.add(0.0)
     op = ops(read_trace(cap.path))
     assert [r for r in op if r["fn"] == "torch.mm"][-1]["outputs"][0]["digest"] == oc_digest(torch.ones(shape))
     assert next(r for r in op if r["fn"] == "Tensor.add")["inputs"][0]["digest"] == oc_digest(torch.ones(shape))
-    for fast_call in ("0",):  # the Python entry path too (the C one ran above when built)
-        with oc.capture(env={"OPGUARD_TRACE_OUTPUT_BASE": str(tmp_path / "py"),
-                             "OPGUARD_CAPTURE_FAST_CALL": fast_call}) as cap2:
-            w = torch.randn(shape)
-            w.mul(1.0)
-            at = w.data_ptr()
-            w.set_(torch.zeros(3).untyped_storage())
-            held = []
-            for _ in range(4):
-                c = torch.mm(a, b)
-                if c.data_ptr() == at:
-                    break
-                held.append(c)
-            assert c.data_ptr() == at
-        mm = [r for r in ops(read_trace(cap2.path)) if r["fn"] == "torch.mm"][-1]
-        assert mm["outputs"][0]["digest"] == oc_digest(torch.ones(shape))
 
 
 def test_optimizers_stepped_inside_a_backward_advance_the_step_once_when_it_ends(tmp_path: Path) -> None:
