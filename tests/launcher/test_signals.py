@@ -322,7 +322,14 @@ def test_a_step_wide_warning_signal_does_not_kill_the_drain(staging_env: dict[st
             kids = psutil.Process(p.pid).children()
         except psutil.NoSuchProcess:
             return []
-        return [k for k in kids if "--final" in k.cmdline()]
+        found = []
+        for k in kids:
+            try:
+                if "--final" in k.cmdline():
+                    found.append(k)
+            except psutil.Error:  # a child that exited between the listing and the read (a periodic sync)
+                continue
+        return found
 
     wait_for(lambda: bool(final_sync()) or p.poll() is not None, 60, "the final drain to start")
     syncs = final_sync()
