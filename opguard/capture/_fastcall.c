@@ -34,7 +34,7 @@ static int configured;
 /* interned names */
 static PyObject *n_session, *n_busy, *n_quiet, *n_inflight, *n_plans, *n_cap_reached, *n_closed, *n_all_steps,
     *n_select_all, *n_policy, *n_enabled, *n_host_digest, *n_uninit, *n_wrappers, *n_watching, *n_modules,
-    *n_contexts, *n_sites, *n_lookup, *n_begin, *n_rec, *n_seq, *n_parents, *n_entry_fast, *n_entry, *n_fresh,
+    *n_contexts, *n_sites, *n_call_site, *n_begin, *n_rec, *n_seq, *n_parents, *n_entry_fast, *n_entry, *n_fresh,
     *n_failed, *n_recording, *n_pending, *n_buffer, *n_maybe_flush, *n_function, *n_where, *n_inputs,
     *n_outputs, *n_args, *n_seeded, *n_error, *n_out, *n_self, *n_slot, *n_type, *n_value, *n_float, *n_int,
     *n_bool, *n_none, *n_ids, *n_slash, *n_handle, *n_name, *n_passes, *n_standin, *n_unselected, *n_tensors_in,
@@ -815,8 +815,12 @@ static PyObject *record(PyObject *s, PyObject *caller, PyObject *func, PyObject 
         }
         sites = PyObject_GetAttr(s, n_sites);
         if (sites == NULL) goto rec_done;
-        site = PyObject_CallMethodObjArgs(sites, n_lookup, caller, NULL);
+        site = PyObject_CallMethodObjArgs(sites, n_call_site, caller, NULL);
         if (site == NULL) goto rec_done;
+        if (site == Py_None) { /* made by torch's tensor rebuilding (docs/capture.md §3.5): not recorded */
+            ok = 1;
+            goto rec_done;
+        }
         begin = PyObject_GetAttr(s, n_begin);
         if (begin == NULL) goto rec_done;
         bargs = PyTuple_Pack(3, n_function, name, site);
@@ -1231,7 +1235,7 @@ PyMODINIT_FUNC PyInit__fastcall(void) {
         {&n_select_all, "select_all"}, {&n_policy, "policy"}, {&n_enabled, "enabled"},
         {&n_host_digest, "host_digest"}, {&n_uninit, "_uninit"}, {&n_wrappers, "wrappers"},
         {&n_watching, "watching"}, {&n_modules, "modules"}, {&n_contexts, "contexts"}, {&n_sites, "sites"},
-        {&n_lookup, "lookup"}, {&n_begin, "begin"}, {&n_rec, "rec"}, {&n_seq, "seq"}, {&n_parents, "parents"},
+        {&n_call_site, "call_site"}, {&n_begin, "begin"}, {&n_rec, "rec"}, {&n_seq, "seq"}, {&n_parents, "parents"},
         {&n_entry_fast, "_entry_fast"}, {&n_entry, "entry"}, {&n_fresh, "fresh"}, {&n_failed, "failed"},
         {&n_recording, "recording"}, {&n_pending, "pending"}, {&n_buffer, "buffer"},
         {&n_maybe_flush, "maybe_flush_contained"}, {&n_function, "function"}, {&n_where, "where"},

@@ -7,6 +7,11 @@ package (``site-packages``/``dist-packages``: numpy, transformers, ...). The cal
 innermost frame that is neither; when every frame is library code (a program installed as a
 package), the innermost frame that is not internal. Classification is cached per code object and a
 site per (code object, line), so the per-call cost is a short frame walk and two dict lookups.
+
+A call made while torch rebuilds a tensor from its serialized form (``torch._utils._rebuild_*``:
+``torch.load``, unpickling; ``torch.multiprocessing.reductions.rebuild_*``: a DataLoader worker's
+batch arriving in the main process) has no call site for a record (:meth:`SiteTable.call_site`):
+it computes nothing, and when it happens depends on when the batch arrives (docs/capture.md §3.5).
 """
 
 from __future__ import annotations
@@ -47,6 +52,10 @@ _LIBRARY_DIRS = _library_dirs()
 # code PyTorch generates at run time (torch.compile's inductor output, FX graph modules): torch's own
 _GENERATED = (*(p for p in (os.environ.get("TORCHINDUCTOR_CACHE_DIR"),) if p), "<eval_with_key>")
 _LIBRARY_PARTS = (f"{os.sep}site-packages{os.sep}", f"{os.sep}dist-packages{os.sep}")
+# torch's code that rebuilds tensors from their serialized form: file -> prefix of its functions' names
+_REBUILDS = {os.path.join(_INTERNAL_DIRS[0], "_utils.py"): "_rebuild",
+             os.path.join(_INTERNAL_DIRS[0], "multiprocessing", "reductions.py"): "rebuild_"}
+_USER, _LIBRARY, _INTERNAL, _REBUILD = 0, 1, 2, 3
 
 
 @dataclass(frozen=True)
@@ -76,8 +85,9 @@ _MAX_AT = 1 << 16  # sites by instruction kept (cleared when full: generated cod
 class SiteTable:
     """Every call site seen by this process, numbered in order of first appearance."""
 
-    def __init__(self) -> None:
-        self._internal: dict[CodeType, int] = {}  # 0 user code, 1 library code, 2 internal
+    def __init__(self, rebuilds_recorded: bool = False) -> None:
+        self._internal: dict[CodeType, int] = {}  # _USER, _LIBRARY, _INTERNAL, _REBUILD (internal too)
+        self.rebuilds_recorded = rebuilds_recorded  # record_noise: call_site() is lookup()
         self._sites: dict[tuple[CodeType, int], Site] = {}
         self._by_place: dict[tuple[str, int, str], Site] = {}
         # (code, instruction offset) of a user frame -> its site: the line is not computed again
@@ -90,13 +100,25 @@ class SiteTable:
         fn = code.co_filename
         if (fn.startswith(_INTERNAL_DIRS) or fn.startswith("<frozen ") or fn.startswith(_GENERATED)
                 or f"{os.sep}torchinductor_" in fn):
-            return 2
+            prefix = _REBUILDS.get(fn)
+            return _REBUILD if prefix is not None and code.co_name.startswith(prefix) else _INTERNAL
         if fn.startswith(_LIBRARY_DIRS) or any(p in fn for p in _LIBRARY_PARTS):
-            return 1
-        return 0
+            return _LIBRARY
+        return _USER
 
     def lookup(self, frame: FrameType | None) -> Site:
         """The site of the innermost user frame at or above ``frame`` (else the innermost library frame)."""
+        site = self._walk(frame, False)
+        assert site is not None
+        return site
+
+    def call_site(self, frame: FrameType | None) -> Site | None:
+        """:meth:`lookup` for a recorded function call: ``None`` when torch's code that rebuilds a
+        tensor from its serialized form is on the way to the user frame (the call is not recorded),
+        unless ``rebuilds_recorded``."""
+        return self._walk(frame, not self.rebuilds_recorded)
+
+    def _walk(self, frame: FrameType | None, rebuilds: bool) -> Site | None:
         if frame is not None:  # a user frame seen at this instruction before: its site (no line computed)
             hit = self._at.get((frame.f_code, frame.f_lasti))
             if hit is not None:
@@ -110,8 +132,10 @@ class SiteTable:
                 k = kinds[code] = self._classify(code)
             if not k:
                 break
-            if k == 1 and fallback is None:
+            if k == _LIBRARY and fallback is None:
                 fallback = frame
+            elif k == _REBUILD and rebuilds:
+                return None
             frame = frame.f_back
         if frame is None:
             frame = fallback

@@ -333,8 +333,8 @@ class CaptureMode(TorchFunctionMode):
             modules, contexts = s.modules, s.contexts
             module = modules[-1] if modules else None  # s.module, s.context
             context = "/".join(contexts) if contexts else None
-            if s.select_all or s.selected(name, module, context):
-                site = s.sites.lookup(caller)
+            site = s.sites.call_site(caller) if s.select_all or s.selected(name, module, context) else None
+            if site is not None:  # None: left out by a filter, or made by torch's tensor rebuilding (§3.5)
                 call = s.begin("function", name, site, where=(module, context))
                 sd = _seeded_get(name)
                 if sd or (sd is None and records.seeded(name, func)):  # draws random numbers (§3.1)

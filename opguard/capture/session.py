@@ -246,7 +246,7 @@ class Session:
         # _entry_fast's common cases in C (same results; §3.11), while _entry_fast is this module's own
         self.c_entry: Any = _fastcall.entry if _fastcall is not None and options.fast_call else None
         self.buffer = options.buffer  # records held before a flush (read per op)
-        self.sites = SiteTable()
+        self.sites = SiteTable(rebuilds_recorded=options.record_noise)
         self.sources = SourceIndex()
         self.policy = DumpPolicy(options)
         self.select_all = not (options.functions or options.modules or options.contexts)

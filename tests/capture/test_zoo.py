@@ -166,6 +166,56 @@ def test_ddp_broadcast_buffers_are_digested_from_memory(tmp_path: Path) -> None:
         assert [r["inputs"][1]["digest"] for r in bn] == [oc_digest_of(dumped[r["seq"]]) for r in bn], rank
 
 
+LOADER = str(PROGS / "loader_app.py")
+
+
+def _line_of(path: str, marker: str) -> int:
+    return next(i for i, line in enumerate(Path(path).read_text().splitlines(), 1) if marker in line)
+
+
+def test_tensor_rebuilds_of_dataloader_batches_and_torch_load_are_not_recorded(tmp_path: Path) -> None:
+    """A DataLoader's workers send each batch through shared memory; the main process rebuilds its
+    tensors when it unpickles them (``torch.empty((0,))`` + ``set_`` in torch's rebuild code), at a
+    moment that depends on when a worker delivered it. Those calls were recorded at the loop's line,
+    in whichever step the batch happened to arrive: two identical runs compared with 28 unaligned
+    operations (found hand-testing). They compute nothing and are not recorded now, nor are
+    ``torch.load``'s (docs/capture.md §3.5); the batch is digested at its first use, so a batch that
+    differs is still the first divergence's input."""
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    run_plain([PY, LOADER, str(plain)], clean_env())
+    bases = {}
+    for name in ("a", "b", "noise"):
+        out = tmp_path / name
+        out.mkdir()
+        bases[name] = tmp_path / f"traces-{name}"
+        c = captured([PY, LOADER, str(out)], bases[name], **({"record_noise": "1"} if name == "noise" else {}))
+        assert "Traceback" not in c.stderr
+        assert (out / "losses.txt").read_text() == (plain / "losses.txt").read_text()
+    batches, load = _line_of(LOADER, "# <batches>"), _line_of(LOADER, "# <load>")
+    op = ops(read_trace(trace_dir(bases["a"])))
+    at_loop = [r["fn"] for r in op if r["line"] == batches]
+    # per epoch only the loader's own seed and shuffle (torch.empty((), int64).random_(), randperm): the
+    # old code added a torch.empty per batch tensor (2 per batch, 16 batches per epoch)
+    assert at_loop.count("torch.empty") == 2 and "Tensor.set_" not in at_loop, at_loop
+    assert not any(r["line"] == load for r in op)
+    # what torch.load rebuilt is digested where it is used: load_state_dict's copies read the saved weights
+    saved = [r for r in op if r["fn"] == "torch.optim.SGD.step"][-1]
+    restored = [r for r in op if r["fn"] == "Tensor.copy_" and r["line"] == _line_of(LOADER, "# <restore>")]
+    assert len(restored) == 4
+    assert [r["inputs"][1]["digest"] for r in restored] == [e["digest"] for e in saved["outputs"]]
+    # two identical runs: every operation paired, in sequence
+    summary = tmp_path / "ab.json"
+    r = subprocess.run([str(BIN / "opguard"), "compare", str(bases["a"]), str(bases["b"]), "-o",
+                        str(tmp_path / "ab.pftrace"), "--json", str(summary)], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "0 unaligned operations" in r.stderr and "mismatch 0" in r.stderr, r.stderr
+    # record_noise restores them
+    noisy = ops(read_trace(trace_dir(bases["noise"])))
+    assert sum(1 for r in noisy if r["line"] == load and r["fn"] == "torch.empty") == 4
+
+
 # ---- records of an unmodified nanoGPT-style script ------------------------------------------------
 def nanogpt(tmp_path: Path, name: str, **options: str) -> tuple[list[dict[str, Any]], dict[str, Any], str, str]:
     out = tmp_path / name
