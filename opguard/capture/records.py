@@ -39,6 +39,7 @@ METADATA_METHODS = frozenset({
     "_set_grad_enabled", "is_grad_enabled", "set_grad_enabled", "_get_tracing_state", "is_tensor",
     "is_conj", "is_neg", "is_signed", "is_coalesced", "is_same_size",
     "_set_view_replay_enabled",  # a mode switch of torch.compile's runtime wrapper (twice per compiled call)
+    "_has_compatible_shallow_copy_type",  # Module._apply's type test per parameter (to_empty, .to())
 })
 # Properties that return tensor data: recorded when read only with ``record_noise`` (every other
 # property read is metadata, never recorded).
