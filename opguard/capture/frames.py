@@ -16,6 +16,15 @@ exactly the file, line, module and registry it gets without capture. The caller 
 called the handler, or — for a Python-level torch function, which reaches the handler through
 ``torch.overrides.handle_torch_function`` — the frame that called that function. Stand-ins are
 cached per (code object, instruction); building one is a ``CodeType.replace``.
+
+A Python-level torch function that capture re-enters (``Tensor.backward`` calling
+``torch.autograd.backward``) runs below the stand-in of *its* caller, with capture's frames above
+that: a warning whose ``stacklevel`` reaches past the function to the program's line (a full backward
+hook's warning, ``stacklevel=5`` from inside the engine) would land on capture's handler. So when the
+caller's own caller is a stand-in, the call goes through a chain of stand-ins, outermost first, one
+per frame hidden that way (the frame the outer stand-in stands for: found by walking from it to
+the handler that made it, as :func:`standin` does): the stack above the function reads as it does
+without capture as far as the program's frame that made the outermost call.
 """
 
 from __future__ import annotations
@@ -51,11 +60,16 @@ def _linetable(units: int) -> bytes:
     return bytes(out)
 
 
+# every stand-in's code object holds this very object as its location table: a frame runs a stand-in
+# when its code's co_linetable *is* it (an identity test; hashing a code object costs ~0.5-1 µs)
+_MARK: bytes = (_linetable(len(_TEMPLATE.co_code) // 2) if sys.version_info >= (3, 11)
+                else _TEMPLATE.co_linetable)
+
+
 def _code_for(code: CodeType, line: int) -> CodeType:
     if sys.version_info >= (3, 11):
         return _TEMPLATE.replace(co_filename=code.co_filename, co_name=code.co_name,
-                                 co_qualname=code.co_qualname, co_firstlineno=line,
-                                 co_linetable=_linetable(len(_TEMPLATE.co_code) // 2))
+                                 co_qualname=code.co_qualname, co_firstlineno=line, co_linetable=_MARK)
     return _TEMPLATE.replace(co_filename=code.co_filename, co_name=code.co_name, co_firstlineno=line)
 
 
@@ -74,6 +88,14 @@ def _works() -> bool:
 
 ENABLED = _works()
 _standins: dict[tuple[CodeType, int], Any] = {}
+# the code of every handler that calls through stand-ins (CaptureMode.__torch_function__): register()
+_handlers: set[CodeType] = set()
+_NEST = 8  # stand-ins chained at most (re-entries nested deeper keep capture's frames above that)
+
+
+def register(handler: Callable[..., Any]) -> None:
+    """``handler`` (a Python function) calls the functions it intercepts through :func:`standin`."""
+    _handlers.add(handler.__code__)
 
 
 def _new(frame: FrameType, key: tuple[CodeType, int]) -> Call:
@@ -86,8 +108,42 @@ def _new(frame: FrameType, key: tuple[CodeType, int]) -> Call:
     return fn
 
 
+def _caller(frame: FrameType | None) -> FrameType | None:
+    """The frame a handler entered from ``frame`` stands for: ``frame`` itself, or for a Python-level
+    torch function the frame that called it."""
+    if frame is not None and frame.f_code is _HANDLE:  # handle_torch_function <- the function <- caller
+        back = frame.f_back
+        frame = back.f_back if back is not None else None
+    return frame
+
+
+def _one(frame: FrameType) -> Any:
+    key = (frame.f_code, frame.f_lasti)
+    fn: Any = _standins.get(key)
+    if fn is None or fn.__globals__ is not frame.f_globals:
+        fn = _new(frame, key)
+    return fn
+
+
+def _hidden(frame: FrameType) -> FrameType | None:
+    """When ``frame`` runs below a stand-in (a function capture re-entered), the frame that stand-in
+    stands for; else ``None``."""
+    back = frame.f_back
+    if back is None or back.f_code.co_linetable is not _MARK:
+        return None
+    f = back.f_back
+    for _ in range(_NEST + 4):  # the stand-in <- [stand-ins, the chain <-] [the Python handler <-] its handler
+        if f is None:
+            return None
+        if f.f_code in _handlers:
+            return _caller(f.f_back)
+        f = f.f_back
+    return None
+
+
 def standin(frame: FrameType | None) -> Call:
-    """How a handler called from ``frame`` calls the function: through the caller's stand-in."""
+    """How a handler called from ``frame`` calls the function: through the caller's stand-in (a chain
+    of them when the caller runs below one)."""
     if frame is None or not ENABLED:
         return plain
     code = frame.f_code
@@ -101,4 +157,20 @@ def standin(frame: FrameType | None) -> Call:
     fn: Any = _standins.get(key)
     if fn is None or fn.__globals__ is not frame.f_globals:
         fn = _new(frame, key)
-    return fn  # type: ignore[no-any-return]
+    back = frame.f_back
+    if back is None or back.f_code.co_linetable is not _MARK:
+        return fn  # type: ignore[no-any-return]
+    chain = [fn]  # the caller runs below a stand-in (capture re-entered it): innermost first
+    outer = _hidden(frame)
+    while outer is not None and len(chain) < _NEST:
+        chain.append(_one(outer))
+        outer = _hidden(outer)
+    return _chained(chain)
+
+
+def _chained(chain: list[Any]) -> Call:
+    def call(f: Callable[..., Any], a: Sequence[Any], k: Mapping[str, Any]) -> Any:
+        for s in chain[:-1]:  # chain[-1](chain[-2], (... chain[0], (f, a, k) ...)): outermost runs first
+            f, a, k = s, (f, a, k), {}
+        return chain[-1](f, a, k)
+    return call

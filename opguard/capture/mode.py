@@ -42,7 +42,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from opguard.capture import records
-from opguard.capture.frames import standin
+from opguard.capture.frames import register, standin
 from opguard.capture.session import ANY as _ANY
 from opguard.capture.session import Call, Session
 from opguard.capture.session import _fastcall as _fastcall  # the C handler (_fastcall.c, §3.11), or None
@@ -446,6 +446,8 @@ class CaptureMode(TorchFunctionMode):
         return result
 
 
+# its calls go through stand-ins: a function it re-entered reads its stand-in's caller (frames.py)
+register(CaptureMode.__torch_function__)
 
 if _fastcall is not None:  # what the C handler calls: the same objects handle() uses
     _fastcall.configure(sys.modules[__name__],

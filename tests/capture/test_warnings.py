@@ -41,6 +41,12 @@ def test_warnings_under_capture_name_the_users_line_and_deduplicate_the_same(tmp
     assert b["always_main"] == a["always_main"]
     assert b["traceback_first"] == a["traceback_first"] and b["traceback_text_ok"] is True
     assert a["hook_stack_has_script"] is True and b["hook_stack_has_script"] is True
+    # through re-entered Python-level torch functions too: not capture's handler (mode.py) as before
+    nested = next(i for i, t in enumerate(Path(APP).read_text().splitlines(), 1) if "# <nested>" in t)
+    # (three times: the "always" filter for __main__ set above applies to the script's own line)
+    assert a["nested"] == [["UserWarning", "Full backward hook is firing when gradients are co", "warn_app.py",
+                            nested]] * 3
+    assert b["nested"] == a["nested"]
     # and the calls were recorded, at the script's lines
     op = ops(read_trace(trace_dir(base)))
     assert {(r["fn"], r["line"]) for r in op} >= {("torch.nn.functional.softmax", 48), ("torch.tensor", 49),

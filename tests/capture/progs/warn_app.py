@@ -68,5 +68,14 @@ w = torch.randn(4, requires_grad=True)
 w.register_hook(lambda g: stacks.append([f"{os.path.basename(f.filename)}:{f.function}" for f in inspect.stack()]))
 (w * 2).sum().backward()
 out["hook_stack_has_script"] = any(e.endswith(":<module>") and e.startswith("warn_app.py") for e in stacks[0])
+# a warning whose stacklevel reaches through two Python-level torch functions capture re-enters
+# (Tensor.backward -> torch.autograd.backward): a full backward hook on a module none of whose inputs
+# requires grad warns from inside the engine with stacklevel=5, at the line that called backward()
+shown.clear()
+hooked = nn.Linear(4, 2)
+hooked.register_full_backward_hook(lambda mod, grad_in, grad_out: None)
+for _ in range(3):
+    hooked(x).sum().backward()  # <nested>
+out["nested"] = list(shown)
 with open(os.path.join(sys.argv[1], "warnings.json"), "w") as f:
     json.dump(out, f)
