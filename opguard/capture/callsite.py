@@ -10,7 +10,7 @@ site per (code object, line), so the per-call cost is a short frame walk and two
 
 A call made while torch rebuilds a tensor from its serialized form (``torch._utils._rebuild_*``:
 ``torch.load``, unpickling; ``torch.multiprocessing.reductions.rebuild_*``: a DataLoader worker's
-batch arriving in the main process) has no call site for a record (:meth:`SiteTable.call_site`):
+batch arriving in the main process) has no call site for a record (``SiteTable.call_site``):
 it computes nothing, and when it happens depends on when the batch arrives (docs/capture.md §3.5).
 """
 
@@ -21,7 +21,9 @@ import linecache
 import os
 import sys
 import sysconfig
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from types import CodeType, FrameType
 from typing import Any
 
@@ -87,7 +89,11 @@ class SiteTable:
 
     def __init__(self, rebuilds_recorded: bool = False) -> None:
         self._internal: dict[CodeType, int] = {}  # _USER, _LIBRARY, _INTERNAL, _REBUILD (internal too)
-        self.rebuilds_recorded = rebuilds_recorded  # record_noise: call_site() is lookup()
+        # call_site(frame): lookup() for a recorded function call, None when torch's code that rebuilds
+        # a tensor from its serialized form is on the way to the user frame (the call is not
+        # recorded), unless rebuilds_recorded (record_noise). A partial: one Python frame per call.
+        self.call_site: Callable[[FrameType | None], Site | None] = partial(
+            self._walk, rebuilds=not rebuilds_recorded)
         self._sites: dict[tuple[CodeType, int], Site] = {}
         self._by_place: dict[tuple[str, int, str], Site] = {}
         # (code, instruction offset) of a user frame -> its site: the line is not computed again
@@ -111,12 +117,6 @@ class SiteTable:
         site = self._walk(frame, False)
         assert site is not None
         return site
-
-    def call_site(self, frame: FrameType | None) -> Site | None:
-        """:meth:`lookup` for a recorded function call: ``None`` when torch's code that rebuilds a
-        tensor from its serialized form is on the way to the user frame (the call is not recorded),
-        unless ``rebuilds_recorded``."""
-        return self._walk(frame, not self.rebuilds_recorded)
 
     def _walk(self, frame: FrameType | None, rebuilds: bool) -> Site | None:
         if frame is not None:  # a user frame seen at this instruction before: its site (no line computed)
