@@ -87,24 +87,26 @@ def _works() -> bool:
 
 
 ENABLED = _works()
-_standins: dict[tuple[CodeType, int], Any] = {}
+# (id(code), instruction) -> (code, stand-in): the entry holds the code, so its id is not reused while
+# the entry lives (hashing a code object hashes its constants: µs for a script's module code)
+_standins: dict[tuple[int, int], tuple[CodeType, Any]] = {}
 # the code of every handler that calls through stand-ins (CaptureMode.__torch_function__): register()
-_handlers: set[CodeType] = set()
+_handlers: set[int] = set()  # ids of their code objects (alive as long as their functions: always)
 _NEST = 8  # stand-ins chained at most (re-entries nested deeper keep capture's frames above that)
 
 
 def register(handler: Callable[..., Any]) -> None:
     """``handler`` (a Python function) calls the functions it intercepts through :func:`standin`."""
-    _handlers.add(handler.__code__)
+    _handlers.add(id(handler.__code__))
 
 
-def _new(frame: FrameType, key: tuple[CodeType, int]) -> Call:
+def _new(frame: FrameType, key: tuple[int, int]) -> Call:
     code = frame.f_code
     line = frame.f_lineno or code.co_firstlineno
     fn: Call = FunctionType(_code_for(code, line), frame.f_globals)
     if len(_standins) >= _MAX:
         _standins.clear()
-    _standins[key] = fn
+    _standins[key] = (code, fn)
     return fn
 
 
@@ -118,11 +120,11 @@ def _caller(frame: FrameType | None) -> FrameType | None:
 
 
 def _one(frame: FrameType) -> Any:
-    key = (frame.f_code, frame.f_lasti)
-    fn: Any = _standins.get(key)
-    if fn is None or fn.__globals__ is not frame.f_globals:
-        fn = _new(frame, key)
-    return fn
+    key = (id(frame.f_code), frame.f_lasti)
+    hit = _standins.get(key)
+    if hit is None or hit[1].__globals__ is not frame.f_globals:
+        return _new(frame, key)
+    return hit[1]
 
 
 def _hidden(frame: FrameType) -> FrameType | None:
@@ -135,7 +137,7 @@ def _hidden(frame: FrameType) -> FrameType | None:
     for _ in range(_NEST + 4):  # the stand-in <- [stand-ins, the chain <-] [the Python handler <-] its handler
         if f is None:
             return None
-        if f.f_code in _handlers:
+        if id(f.f_code) in _handlers:
             return _caller(f.f_back)
         f = f.f_back
     return None
@@ -153,8 +155,9 @@ def standin(frame: FrameType | None) -> Call:
         if frame is None:
             return plain
         code = frame.f_code
-    key = (code, frame.f_lasti)
-    fn: Any = _standins.get(key)
+    key = (id(code), frame.f_lasti)
+    hit = _standins.get(key)
+    fn: Any = hit[1] if hit is not None else None
     if fn is None or fn.__globals__ is not frame.f_globals:
         fn = _new(frame, key)
     back = frame.f_back
