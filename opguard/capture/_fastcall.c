@@ -35,11 +35,11 @@ static int configured;
 static PyObject *n_session, *n_busy, *n_quiet, *n_inflight, *n_plans, *n_cap_reached, *n_closed, *n_all_steps,
     *n_select_all, *n_policy, *n_enabled, *n_host_digest, *n_uninit, *n_wrappers, *n_watching, *n_modules,
     *n_contexts, *n_sites, *n_call_site, *n_begin, *n_rec, *n_seq, *n_parents, *n_entry_fast, *n_entry, *n_fresh,
-    *n_failed, *n_recording, *n_pending, *n_buffer, *n_maybe_flush, *n_function, *n_where, *n_inputs,
+    *n_failed, *n_recording, *n_maybe_flush, *n_function, *n_where, *n_inputs,
     *n_outputs, *n_args, *n_seeded, *n_error, *n_out, *n_self, *n_slot, *n_type, *n_value, *n_float, *n_int,
     *n_bool, *n_none, *n_ids, *n_slash, *n_handle, *n_name, *n_passes, *n_standin, *n_unselected, *n_tensors_in,
     *n_arg_entry, *n_dtype_name, *n_hex, *n_dtype, *n_shape, *n_device, *n_cpu, *n_digest, *n_stats, *n_values,
-    *n_seen_attr, *n_ref, *n_storage_offset, *n_element_size, *n_dead_cb, *n_key, *n_region, *n_dead, *n_at, *n_shared,
+    *n_seen_attr, *n_ref, *n_storage_offset, *n_element_size, *n_dead_cb, *n_key, *n_tid, *n_region, *n_dead, *n_at, *n_shared,
     *n_host_entry, *n_version, *n_data_ptr, *n_is_cpu, *n_layout, *n_is_neg, *n_is_contiguous, *n_numel, *n_cache,
     *n_new, *n_n, *n_cache_entries, *n_dtype_names, *n_codes;
 static PyObject *g_zero;
@@ -302,9 +302,16 @@ static PyObject *known(PyObject *s, PyObject *slot, PyObject *t, PyObject *sm, P
     } else {
         Py_CLEAR(ref);
     }
-    if (ref == NULL) {
-        ref = PyWeakref_NewRef(t, NULL);
+    if (ref == NULL) { /* the summary is another tensor's (an alias at the same key): a reference whose
+                          callback drops this record when t dies (_dead_entry) */
+        PyObject *dead = PyObject_GetAttr(s, n_dead_cb);
+        ref = dead ? PyObject_CallFunctionObjArgs(g_Ref, t, dead, NULL) : NULL;
+        Py_XDECREF(dead);
         if (ref == NULL) goto fail;
+        PyObject *tid = PyLong_FromVoidPtr(t);
+        int rc = tid == NULL ? -1 : PyObject_SetAttr(ref, n_tid, tid);
+        Py_XDECREF(tid);
+        if (rc < 0 || PyObject_SetAttr(ref, n_key, Py_None) < 0) goto fail;
     }
     rec = PyTuple_Pack(7, ref, version, ptr, sm, dn, size, shape);
     id = PyLong_FromVoidPtr(t);
@@ -367,6 +374,13 @@ static int remember(PyObject *s, PyObject *key, PyObject *sm, PyObject *t, PyObj
     }
     PyObject *region = NULL, *at_all = NULL, *at = NULL;
     int rc = -1;
+    {
+        PyObject *tid = PyLong_FromVoidPtr(t);
+        rc = tid == NULL ? -1 : PyObject_SetAttr(ref, n_tid, tid);
+        Py_XDECREF(tid);
+        if (rc < 0) goto done;
+        rc = -1;
+    }
     if (PyObject_SetAttr(ref, n_key, key) < 0 || PyObject_SetAttr(sm, n_ref, ref) < 0) goto done;
     region = region_of(t, ptr);
     if (region == NULL || PyObject_SetAttr(sm, n_region, region) < 0) goto done;
@@ -1023,20 +1037,11 @@ static PyObject *record(PyObject *s, PyObject *caller, PyObject *func, PyObject 
         }
     }
 
-    /* ---- flush when the buffer is full and no record is open ---- */
-    {
-        PyObject *pending = PyObject_GetAttr(s, n_pending);
-        PyObject *buffer = pending ? PyObject_GetAttr(s, n_buffer) : NULL;
-        Py_ssize_t np = pending ? PyObject_Length(pending) : -1;
-        Py_ssize_t nb = buffer ? PyLong_AsSsize_t(buffer) : -1;
-        Py_XDECREF(pending);
-        Py_XDECREF(buffer);
-        if (np < 0 || (nb == -1 && PyErr_Occurred())) goto error;
-        if (np >= nb && PyList_Size(parents) == 0) {
-            PyObject *r = PyObject_CallMethodObjArgs(s, n_maybe_flush, NULL);
-            if (r == NULL) goto error;
-            Py_DECREF(r);
-        }
+    /* ---- no record open: the finished records sealed, written once the buffer is full ---- */
+    if (PyList_Size(parents) == 0) {
+        PyObject *r = PyObject_CallMethodObjArgs(s, n_maybe_flush, NULL);
+        if (r == NULL) goto error;
+        Py_DECREF(r);
     }
 
 done:
@@ -1237,7 +1242,7 @@ PyMODINIT_FUNC PyInit__fastcall(void) {
         {&n_watching, "watching"}, {&n_modules, "modules"}, {&n_contexts, "contexts"}, {&n_sites, "sites"},
         {&n_call_site, "call_site"}, {&n_begin, "begin"}, {&n_rec, "rec"}, {&n_seq, "seq"}, {&n_parents, "parents"},
         {&n_entry_fast, "_entry_fast"}, {&n_entry, "entry"}, {&n_fresh, "fresh"}, {&n_failed, "failed"},
-        {&n_recording, "recording"}, {&n_pending, "pending"}, {&n_buffer, "buffer"},
+        {&n_recording, "recording"}, 
         {&n_maybe_flush, "maybe_flush_contained"}, {&n_function, "function"}, {&n_where, "where"},
         {&n_inputs, "inputs"}, {&n_outputs, "outputs"}, {&n_args, "args"}, {&n_seeded, "seeded"},
         {&n_error, "error"}, {&n_out, "out"}, {&n_self, "self"}, {&n_slot, "slot"}, {&n_type, "type"},
@@ -1248,7 +1253,7 @@ PyMODINIT_FUNC PyInit__fastcall(void) {
         {&n_arg_entry, "arg_entry"}, {&n_dtype_name, "dtype_name"}, {&n_hex, "hex"}, {&n_dtype, "dtype"},
         {&n_shape, "shape"}, {&n_device, "device"}, {&n_cpu, "cpu"}, {&n_digest, "digest"}, {&n_stats, "stats"},
         {&n_values, "values"}, {&n_seen_attr, "_seen"}, {&n_ref, "ref"}, {&n_storage_offset, "storage_offset"},
-        {&n_element_size, "element_size"}, {&n_dead_cb, "_dead"}, {&n_key, "key"}, {&n_region, "region"},
+        {&n_element_size, "element_size"}, {&n_dead_cb, "_dead"}, {&n_key, "key"}, {&n_tid, "tid"}, {&n_region, "region"},
         {&n_dead, "dead"}, {&n_at, "_at"}, {&n_shared, "_shared"}, {&n_host_entry, "host_entry"},
         {&n_version, "_version"}, {&n_data_ptr, "data_ptr"}, {&n_is_cpu, "is_cpu"}, {&n_layout, "layout"},
         {&n_is_neg, "is_neg"}, {&n_is_contiguous, "is_contiguous"}, {&n_numel, "numel"}, {&n_cache, "_cache"},

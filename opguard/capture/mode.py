@@ -441,7 +441,7 @@ class CaptureMode(TorchFunctionMode):
             s.failed("recording", err, call)
             if watch is not None:
                 wrappers.failed(func)
-        if len(s.pending) >= s.buffer and not s.parents:
+        if not s.parents:  # sealed, and written once the buffer is full
             s.maybe_flush_contained()
         return result
 

@@ -153,11 +153,13 @@ def _NO_TENSOR() -> None:
 
 
 class _Ref(weakref.ref):  # type: ignore[type-arg]
-    """A weak reference to a summarised tensor that knows its cache key (no closure per entry);
-    made as ``_Ref(t, callback)`` then ``.key`` set (no Python-level constructor: ~1 µs less)."""
+    """A weak reference to a summarised tensor that knows its cache key and the tensor's id (no
+    closure per entry); made as ``_Ref(t, callback)`` then ``.key`` and ``.tid`` set (no
+    Python-level constructor: ~1 µs less)."""
 
-    __slots__ = ("key",)
-    key: tuple[Any, ...]
+    __slots__ = ("key", "tid")
+    key: tuple[Any, ...] | None  # None: a same-object record's reference only (Session._known)
+    tid: int
 
 
 class _Summary:
@@ -257,7 +259,10 @@ class Session:
         self.contexts: list[str] = []
         self.modules: list[str] = []
         self.parents: list[int] = []
-        self.pending: list[Call] = []
+        # records begun and not written yet, in seq order: a finished op record with nothing left to
+        # fill is kept encoded (bytes, _seal), the others as Call
+        self.pending: list[Call | bytes] = []
+        self._sealed = 0  # pending[:_sealed] was looked at by _seal
         self._batch: list[bytes] | None = None  # encoded records of the flush in progress, not yet written
         self._batch_ops = 0  # op records among them
         self._cache: dict[tuple[Any, ...], _Summary] = {}
@@ -307,6 +312,7 @@ class Session:
         and passes every call through."""
         self.closed = True
         self.pending = []
+        self._sealed = 0
         self.quiet = None
         try:
             self.writer.close()  # the child's copy of the descriptor
@@ -495,6 +501,7 @@ class Session:
         except TypeError:
             return  # not weakly referenceable: never reused
         ref.key = key
+        ref.tid = id(t)
         s.ref = ref
         s.region = region = _region(t, key[0])
         if self._shared and region in self._shared:  # memory others can write: read again at every use
@@ -661,9 +668,26 @@ class Session:
                 s.ref = None
 
     def _dead_entry(self, ref: _Ref) -> None:
-        s = self._cache.get(ref.key)
-        if s is not None and s.ref is ref:  # not an entry re-made since for another tensor
-            self._forget(ref.key)
+        """A summarised tensor died: its cache entry, its storage's list of keys when no other is
+        cached, and its same-object record go with it (kept, they would pile up to ``CACHE_ENTRIES``
+        each: live objects that Python's collector walks, docs/capture.md §3.12)."""
+        key = ref.key
+        s = self._cache.get(key) if key is not None else None
+        if key is not None and s is not None and s.ref is ref:  # not an entry re-made since for another tensor
+            self._forget(key)
+            at_all = self._at
+            at = at_all.get(s.region)
+            if at is not None:  # the storage's keys still cached (none when it died with the tensor)
+                cache = self._cache
+                kept = [k for k in at if k in cache]
+                if kept:
+                    at_all[s.region] = kept
+                else:
+                    del at_all[s.region]
+        seen = self._seen
+        hit = seen.get(ref.tid)
+        if hit is not None and hit[0] is ref:
+            del seen[ref.tid]
 
     def _entry_fast(self, call: Call, slot: str, t: torch.Tensor, output: bool, fresh: bool) -> dict[str, Any] | None:
         """:meth:`entry` for the common case in one frame: a plain, contiguous, non-empty CPU tensor
@@ -802,7 +826,11 @@ class Session:
         if len(seen) >= CACHE_ENTRIES:
             seen.clear()
         ref = s.ref
-        seen[id(t)] = (ref if ref is not None and ref() is t else weakref.ref(t), version, ptr, s, dn, size, shape)
+        if ref is None or ref() is not t:  # the summary is another tensor's (an alias at the same key)
+            ref = _Ref(t, self._dead)  # its death drops this record (_dead_entry)
+            ref.key = None
+            ref.tid = id(t)
+        seen[id(t)] = (ref, version, ptr, s, dn, size, shape)
         return e
 
     def entry(self, call: Call, slot: str, t: torch.Tensor, output: bool, *, fresh: bool = False,
@@ -986,6 +1014,8 @@ class Session:
         if pending and pending[-1] is call and self.seq == call.rec["seq"] + 1:
             pending.pop()
             self.seq -= 1
+            if self._sealed > len(pending):
+                self._sealed = len(pending)
             return True
         return False
 
@@ -1001,8 +1031,31 @@ class Session:
             outs.append(self.entry(call, slot, t, True, fresh=fresh, uninitialized=uninitialized))
 
     def maybe_flush(self) -> None:
-        if len(self.pending) >= self.options.buffer and not self.parents:
+        """At the end of an intercepted call: with no record open, the finished records are sealed
+        and, once the buffer holds ``buffer`` records, written."""
+        if self.parents:
+            return
+        if self._sealed < len(self.pending):
+            self._seal()
+        if len(self.pending) >= self.options.buffer:
             self.flush()
+
+    def _seal(self) -> None:
+        """Encode the finished op records that wait for no device result (every CPU record of the
+        native kernel) now rather than at the flush: the same bytes, written at the same flush, but
+        a record's dicts and lists die at once instead of living up to ``buffer`` records. Kept, they
+        outlived Python's young collections and were promoted to the oldest generation, whose growth
+        triggers a full collection of every object in the process (docs/capture.md §3.11)."""
+        pending = self.pending
+        encode = records.encode
+        for i in range(self._sealed, len(pending)):
+            c = pending[i]
+            if type(c) is Call and not c.fills and c.rec["kind"] == "op":
+                try:
+                    pending[i] = encode(c.rec)
+                except Exception:  # kept as it is: the flush drops it and says why
+                    pass
+        self._sealed = len(pending)
 
     def maybe_flush_contained(self) -> None:
         """:meth:`maybe_flush` at the end of an intercepted call: a failure is capture's own (said
@@ -1036,16 +1089,18 @@ class Session:
         if not self.pending:
             return
         calls, self.pending = self.pending, []
+        self._sealed = 0
         self.busy += 1
         try:
             self._flush(calls)
         except Exception as err:  # never into the program: these records are lost, said on stderr and in meta
-            self.dropped += sum(1 for c in calls if c.rec.get("kind") == "op")
+            self.dropped += sum(1 for c in calls if isinstance(c, bytes) or c.rec.get("kind") == "op")
             self.failed("writing", err)
         finally:
             self.busy -= 1
 
-    def _flush(self, calls: list[Call]) -> None:
+    def _flush(self, pending: list[Call | bytes]) -> None:
+        calls = [c for c in pending if type(c) is Call and c.fills]
         digests: dict[int, int] = {}
         rows: dict[int, list[float]] = {}
         self._fetch([s.digest for c in calls for _, s, _ in c.fills if s.digest is not None and s.hex is None],
@@ -1072,21 +1127,25 @@ class Session:
         self._batch = batch
         encode = records.encode
         try:
-            for c in calls:
+            for item in pending:
                 if self.cap_reached:
                     self.dropped += 1
                     continue
-                try:
-                    line = encode(c.rec)
-                except Exception as err:  # this record only (a value JSON cannot hold): the others are written
-                    self.dropped += 1
-                    self.failed("writing", err)
-                    continue
+                if isinstance(item, bytes):  # an op record sealed when it finished (_seal)
+                    line, op = item, True
+                else:
+                    try:
+                        line = encode(item.rec)
+                    except Exception as err:  # this record only (a value JSON cannot hold): the others are written
+                        self.dropped += 1
+                        self.failed("writing", err)
+                        continue
+                    op = item.rec["kind"] == "op"
                 if not self._account(len(line)):
                     self.dropped += 1
                     continue
                 batch.append(line)
-                if c.rec["kind"] == "op":
+                if op:
                     self._batch_ops += 1
             self._write_batch()
         finally:

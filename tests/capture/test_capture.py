@@ -13,6 +13,7 @@ import pytest
 torch = pytest.importorskip("torch", reason="capture needs torch (pip install torch, CPU build)")
 
 import opguard.capture as oc  # noqa: E402
+from opguard.capture import records  # noqa: E402
 from opguard.errors import ConfigError  # noqa: E402
 from tests.capture.helpers import ops, read_trace  # noqa: E402
 from tests.capture.progs import calls, models  # noqa: E402
@@ -607,12 +608,21 @@ def test_jit_trace_under_capture_loses_nothing(out_env: dict[str, str]) -> None:
     assert "Tensor.mul" in {r["fn"] for r in ops(read_trace(cap.path))}
 
 
-def test_a_record_that_cannot_be_encoded_loses_only_itself(out_env: dict[str, str]) -> None:
+def test_a_record_that_cannot_be_encoded_loses_only_itself(out_env: dict[str, str],
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     """Writing: one record JSON cannot hold (capture's own bug) is dropped and said once; the rest of
-    its batch is written (before, the whole batch was dropped)."""
+    its batch is written (before, the whole batch was dropped). Encoding fails when the record is
+    sealed (it stays a record) and again at the flush."""
+    encode = records.encode
+
+    def failing(obj: dict[str, Any]) -> bytes:
+        if obj.get("fn") == "Tensor.neg":
+            raise TypeError("Type is not JSON serializable: object")
+        return encode(obj)
+
+    monkeypatch.setattr(records, "encode", failing)
     with oc.capture(env=out_env, buffer=64) as cap:
         torch.ones(2).neg()
-        cap.session.pending[-1].rec["bad"] = object()
         torch.ones(2).exp()
     meta = json.loads((cap.path / "meta.json").read_text())
     fns = [r["fn"] for r in ops(read_trace(cap.path))]
