@@ -286,6 +286,11 @@ def encode(obj: dict[str, Any]) -> bytes:
         return (json.dumps(obj, separators=(",", ":"), allow_nan=False) + "\n").encode()
 
 
+def encode_strict(obj: dict[str, Any]) -> bytes:
+    """:func:`encode` by orjson only (``TypeError`` where :func:`encode` falls back to ``json``)."""
+    return orjson.dumps(obj, option=orjson.OPT_APPEND_NEWLINE)
+
+
 # ---- non-tensor arguments (schema v2, docs/capture.md §3.4) ----------------------------------------
 ARG_VALUE_MAX = 64  # canonical JSON text longer than this: digest + length instead of the value
 

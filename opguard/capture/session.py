@@ -12,6 +12,7 @@ import json
 import math
 import os
 import platform
+import re
 import socket
 import sys
 import time
@@ -20,6 +21,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
+import orjson
 import torch
 
 from opguard.capture import dumps, hostkernel, records
@@ -152,6 +154,13 @@ def _NO_TENSOR() -> None:
     return None
 
 
+# a sealed record's placeholder for a value the flush fetches (Session._seal): a string no program
+# argument or name holds (a NUL and this process's random tag), encoded by orjson as "\u0000og..."
+_FILL = f"\x00og{os.urandom(6).hex()}:"
+_FILL_BYTES = orjson.dumps(_FILL)[:-1]  # the JSON string's opening quote and text, no closing quote
+_FILL_RE = re.compile(re.escape(_FILL_BYTES) + rb'(\d+[ds])"')
+
+
 class _Ref(weakref.ref):  # type: ignore[type-arg]
     """A weak reference to a summarised tensor that knows its cache key and the tensor's id (no
     closure per entry); made as ``_Ref(t, callback)`` then ``.key`` and ``.tid`` set (no
@@ -263,6 +272,9 @@ class Session:
         # fill is kept encoded (bytes, _seal), the others as Call
         self.pending: list[Call | bytes] = []
         self._sealed = 0  # pending[:_sealed] was looked at by _seal
+        # the summaries whose results sealed records wait for (the flush fetches them): the k-th one's
+        # digest and statistics stand in those records as the strings _FILL + "<k>d" / "<k>s"
+        self._fills: list[_Summary] = []
         self._batch: list[bytes] | None = None  # encoded records of the flush in progress, not yet written
         self._batch_ops = 0  # op records among them
         self._cache: dict[tuple[Any, ...], _Summary] = {}
@@ -313,6 +325,7 @@ class Session:
         self.closed = True
         self.pending = []
         self._sealed = 0
+        self._fills = []
         self.quiet = None
         try:
             self.writer.close()  # the child's copy of the descriptor
@@ -1041,20 +1054,40 @@ class Session:
             self.flush()
 
     def _seal(self) -> None:
-        """Encode the finished op records that wait for no device result (every CPU record of the
-        native kernel) now rather than at the flush: the same bytes, written at the same flush, but
-        a record's dicts and lists die at once instead of living up to ``buffer`` records. Kept, they
-        outlived Python's young collections and were promoted to the oldest generation, whose growth
-        triggers a full collection of every object in the process (docs/capture.md §3.11)."""
+        """Encode the finished op records now rather than at the flush: the same bytes, written at the
+        same flush, but a record's dicts and lists die at once instead of living up to ``buffer``
+        records. Kept, they outlived Python's young collections and were promoted to the oldest
+        generation, whose growth sets off a full collection of every object in the process
+        (docs/capture.md §3.12). A record that waits for device results (or a summary the native
+        kernel did not finish) is encoded with a placeholder string in each such digest and
+        statistics; the flush puts the values in (:meth:`_unseal`)."""
         pending = self.pending
         encode = records.encode
         for i in range(self._sealed, len(pending)):
             c = pending[i]
-            if type(c) is Call and not c.fills and c.rec["kind"] == "op":
-                try:
+            if type(c) is not Call or c.rec["kind"] != "op":
+                continue
+            fills = c.fills
+            try:
+                if not fills:
                     pending[i] = encode(c.rec)
-                except Exception:  # kept as it is: the flush drops it and says why
-                    pass
+                    continue
+                base = len(self._fills)
+                for j, (e, _s, output) in enumerate(fills):
+                    e["digest"] = f"{_FILL}{base + j}d"
+                    if output:
+                        e["stats"] = f"{_FILL}{base + j}s"
+                try:
+                    line = records.encode_strict(c.rec)  # orjson only: the values go in as orjson writes them
+                finally:
+                    for e, _s, output in fills:
+                        e["digest"] = None
+                        if output:
+                            e["stats"] = None
+                self._fills.extend(s for _e, s, _o in fills)
+                pending[i] = line
+            except Exception:  # kept as it is: the flush drops it and says why
+                pass
         self._sealed = len(pending)
 
     def maybe_flush_contained(self) -> None:
@@ -1101,12 +1134,17 @@ class Session:
 
     def _flush(self, pending: list[Call | bytes]) -> None:
         calls = [c for c in pending if type(c) is Call and c.fills]
+        sealed, self._fills = self._fills, []
         digests: dict[int, int] = {}
         rows: dict[int, list[float]] = {}
-        self._fetch([s.digest for c in calls for _, s, _ in c.fills if s.digest is not None and s.hex is None],
+        self._fetch([s.digest for s in sealed if s.digest is not None and s.hex is None]
+                    + [s.digest for c in calls for _, s, _ in c.fills if s.digest is not None and s.hex is None],
                     digests, ints=True)
-        self._fetch([s.stats for c in calls for _, s, o in c.fills if o and s.stats is not None and s.values is None],
+        self._fetch([s.stats for s in sealed if s.stats is not None and s.values is None]
+                    + [s.stats for c in calls for _, s, o in c.fills if o and s.stats is not None and s.values is None],
                     rows, ints=False)
+        if sealed:
+            pending = self._unseal(pending, sealed, digests, rows)
         for c in calls:
             for e, s, output in c.fills:
                 h = s.hex
@@ -1152,6 +1190,29 @@ class Session:
             self._batch = None
             self._batch_ops = 0
         self._write_tables()
+
+    @staticmethod
+    def _unseal(pending: list[Call | bytes], sealed: list[_Summary], digests: dict[int, int],
+                rows: dict[int, list[float]]) -> list[Call | bytes]:
+        """The sealed records with their placeholders replaced by the fetched values, encoded as the
+        flush encodes them (a digest string or null; the statistics object, or null)."""
+        values: dict[bytes, bytes] = {}
+        dumps_ = orjson.dumps
+        for k, s in enumerate(sealed):
+            h = s.hex
+            if h is None and s.digest is not None:
+                h = s.hex = finish(digests[id(s.digest)], s.n)
+            values[b"%dd" % k] = dumps_(h)
+            v = s.values
+            if v is None and s.stats is not None:
+                v = s.values = _json_stats(finish_stats(rows[id(s.stats)], s.n))
+            values[b"%ds" % k] = dumps_(v)
+
+        def put(m: re.Match[bytes]) -> bytes:
+            return values[m.group(1)]
+
+        sub = _FILL_RE.sub
+        return [sub(put, c) if type(c) is bytes and _FILL_BYTES in c else c for c in pending]
 
     def _write_batch(self) -> None:
         """Write the records collected by the flush in progress (counted once written)."""

@@ -8,6 +8,7 @@ object the program and its libraries hold) every few hundred steps."""
 from __future__ import annotations
 
 import gc
+import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -71,21 +72,40 @@ def test_a_long_capture_keeps_nothing_per_step_for_the_collector(tmp_path: Path,
     assert len(ops(read_trace(cap.path))) >= 80 * 10
 
 
-def test_sealed_records_are_the_records_the_flush_would_have_encoded(tmp_path: Path,
-                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("kernel", ["native", "torch"])
+def test_sealed_records_are_the_records_the_flush_would_have_encoded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                      kernel: str) -> None:
+    """``torch``: every digest and statistics row is a torch op on the tensor's device, fetched at the
+    flush (the CUDA path's way): the records are sealed with placeholders the flush fills in."""
+    seen: list[int] = []
+    seal = session.Session._seal
+
+    def counted(self: Any) -> None:
+        seal(self)
+        seen.append(sum(type(c) is bytes for c in self.pending))
+
     def run(base: Path) -> tuple[list[int], list[str]]:
         steps = mlp_steps()
-        with oc.capture(env={"OPGUARD_TRACE_OUTPUT_BASE": str(base), "OPGUARD_CAPTURE_BUFFER": "40"}) as cap:
+        with oc.capture(env={"OPGUARD_TRACE_OUTPUT_BASE": str(base), "OPGUARD_CAPTURE_BUFFER": "40",
+                             "OPGUARD_CAPTURE_HOST_KERNEL": kernel}) as cap:
             losses = [next(steps) for _ in range(12)]
+            h = (torch.ones(3) * float("nan")).sum()  # a non-finite statistics row
+            h + torch.tensor([float("inf"), 1.0])
+            torch.tensor([2, 3], dtype=torch.int64) * 7  # integer statistics
         lines = [line for f in sorted(cap.path.glob("trace*.jsonl")) for line in f.read_text().splitlines()]
         return [int(t.view(torch.int32).item()) for t in losses], lines
 
+    monkeypatch.setattr(session.Session, "_seal", counted)
     sealed = run(tmp_path / "sealed")
+    assert max(seen) > 30, "the records were sealed"
     monkeypatch.setattr(session.Session, "_seal", lambda self: None)  # every record encoded at the flush
     unsealed = run(tmp_path / "unsealed")
     assert sealed[0] == unsealed[0]
     assert len(sealed[1]) > 12 * 10
     assert sealed[1] == unsealed[1]
+    assert "\\u0000" not in "".join(sealed[1])
+    nan = [r for r in ops([json.loads(x) for x in sealed[1]]) if r["fn"] == "Tensor.sum"][-1]
+    assert nan["outputs"][0]["stats"]["nan"] == 1 and len(nan["outputs"][0]["digest"]) == 16
 
 
 def test_a_dead_tensor_s_same_object_record_goes_with_it(tmp_path: Path) -> None:
