@@ -85,6 +85,36 @@ def _dense(t: torch.Tensor) -> bool:
     return True
 
 
+def _coalesced(shape: Any, stride: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(sizes, strides) of the same logical element sequence with size-1 dimensions dropped and
+    each dimension merged into the one before it where they step through memory as one
+    (``stride[i] == stride[i+1] * size[i+1]``): every view with the same sequence of elements
+    (``q.view(8, 64, 4, 16)`` of a slice ``q`` of shape (8, 64, 64), ``unsqueeze``, ``flatten``) has
+    the same form."""
+    sizes: list[int] = []
+    strides: list[int] = []
+    for size, step in zip(shape, stride, strict=True):
+        if size == 1:
+            continue
+        if sizes and strides[-1] == step * size:
+            sizes[-1] *= size
+            strides[-1] = step
+        else:
+            sizes.append(size)
+            strides.append(step)
+    return tuple(sizes), tuple(strides)
+
+
+def _element_set(sizes: tuple[int, ...], strides: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """The coalesced form of the same elements in memory order (strides decreasing): every
+    permutation of a view's dimensions (``transpose``, ``permute``) has the same one; ``None`` when
+    elements repeat (a zero or repeated stride: ``expand``)."""
+    if 0 in strides or len(set(strides)) != len(strides):
+        return None
+    order = sorted(range(len(strides)), key=lambda i: -strides[i])
+    return _coalesced([sizes[i] for i in order], [strides[i] for i in order])
+
+
 FUNCTORCH_REASON = "torch.func wrapper: no storage of its own"
 _is_functorch_wrapped = getattr(getattr(torch._C, "_functorch", None), "is_functorch_wrapped_tensor", None)
 _is_batched = getattr(getattr(torch._C, "_functorch", None), "is_batchedtensor", None)
@@ -382,7 +412,7 @@ class Session:
         if contiguous:
             key: tuple[Any, ...] = (t.data_ptr(), n, t.dtype, t.device, version)
         else:
-            key = (t.data_ptr(), t.shape, t.stride(), t.dtype, t.device, version)
+            key = (t.data_ptr(), *_coalesced(t.shape, t.stride()), t.dtype, t.device, version)
         conj, neg = t.is_conj(), t.is_neg()
         if conj or neg:  # a lazy conjugate/negative view: another content than its memory holds
             key = (*key, conj, neg)
@@ -792,7 +822,8 @@ class Session:
         ptr = t.data_ptr()
         size = t.shape
         stride = t.stride()
-        key = (ptr, size, stride, dtype, _CPU, version)
+        sizes, steps = _coalesced(size, stride)
+        key = (ptr, sizes, steps, dtype, _CPU, version)
         if output and fresh and self._at:  # a write (an input object as output); a view op writes nothing
             region = _region(t, ptr)
             if region in self._at:
@@ -803,8 +834,13 @@ class Session:
         if s is None:
             values = None
             want = output
-            if output and not fresh and _dense(t):  # the range it spans was summarised: its statistics
-                same = self._lookup((ptr, n, dtype, _CPU, version))
+            if output and not fresh:  # its elements were summarised in another order: their statistics
+                if _dense(t):  # the range it spans
+                    same = self._lookup((ptr, n, dtype, _CPU, version))
+                else:  # a permutation of another view's dimensions (a transpose of a slice)
+                    other = _element_set(sizes, steps)
+                    same = (self._lookup((ptr, *other, dtype, _CPU, version))
+                            if other is not None and other != (sizes, steps) else None)
                 if same is not None:
                     if same.stats is not None:
                         return None

@@ -646,6 +646,36 @@ def test_the_same_tensor_used_again_gets_its_current_shape_and_content(out_env: 
     assert negs[3]["digest"] == oc_digest(torch.ones(2, 3))
 
 
+def test_views_of_a_slice_reuse_its_summary(out_env: dict[str, str]) -> None:
+    """Attention's head split: a ``view`` of a non-contiguous slice has the slice's elements in the
+    same order (the same coalesced key: its digest and statistics are the slice's, no pass over
+    memory); a ``transpose`` of that view has the same elements in another order (its statistics
+    are the slice's, only its digest is computed). The entries equal those computed from memory."""
+    g = torch.Generator().manual_seed(0)
+    qkv0 = torch.randn(4, 8, 48, generator=g)
+    with oc.capture(env=out_env) as cap:
+        s: Any = cap.session
+        qkv = qkv0 * 1.0
+        q, _k, _v = qkv.split(16, dim=2)
+        calls: list[tuple[Any, ...]] = []
+        strided = s.host_strided
+        s.host_strided = lambda *a: calls.append(a) or strided(*a)
+        heads = q.view(4, 8, 2, 8)
+        assert not calls, "the view's entry is the slice's: no pass over memory"
+        ht = heads.transpose(1, 2)
+        assert len(calls) == 1 and calls[0][4] == -1 and calls[0][6] is False, \
+            "digest only: the statistics are the slice's"
+        s.host_strided = strided
+        (ht * 2.0).sum()
+    recs = {r["fn"]: r for r in ops(read_trace(cap.path))}
+    split_q = recs["Tensor.split"]["outputs"][0]
+    view, tr = recs["Tensor.view"]["outputs"][0], recs["Tensor.transpose"]["outputs"][0]
+    assert view["digest"] == split_q["digest"] == oc_digest(q.contiguous())
+    assert tr["digest"] == oc_digest(ht.contiguous()) != view["digest"]
+    assert view["stats"] == split_q["stats"] == tr["stats"]
+    assert recs["Tensor.mul"]["inputs"][0]["digest"] == tr["digest"]
+
+
 @pytest.mark.parametrize("kernel", ["native", "torch"])
 def test_dead_cache_entry_is_not_served_to_a_new_tensor_at_the_same_address(out_env: dict[str, str],
                                                                             kernel: str) -> None:
