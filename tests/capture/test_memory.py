@@ -22,21 +22,20 @@ import torch.nn.functional as F  # noqa: E402
 import opguard.capture as oc  # noqa: E402
 from opguard.capture import session  # noqa: E402
 from tests.capture.helpers import ops, read_trace  # noqa: E402
+from tests.capture.progs.models import MLP  # noqa: E402
 
 pytestmark = [pytest.mark.torch]
 
 
 def mlp_steps() -> Iterator[torch.Tensor]:
+    """Training steps of the suite's small MLP (AdamW): 12 records and an optimizer record each."""
     torch.manual_seed(0)
-    layers: list[torch.nn.Module] = []
-    for _ in range(3):
-        layers += [torch.nn.Linear(16, 16), torch.nn.ReLU()]
-    model = torch.nn.Sequential(*layers)
+    model = MLP(16)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    x, y = torch.randn(8, 16), torch.randn(8, 16)
+    x, y = torch.randn(8, 16), torch.randn(8, 1)
     while True:
         opt.zero_grad(set_to_none=True)
-        loss = F.mse_loss(model(x) * 0.5, y)
+        loss = F.mse_loss(torch.tanh(model(x) * 0.5), y)
         loss.backward()
         opt.step()
         yield loss.detach()
