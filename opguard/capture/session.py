@@ -1215,7 +1215,7 @@ class Session:
                         self.failed("writing", err)
                         continue
                     op = item.rec["kind"] == "op"
-                if not self._account(len(line)):
+                if not self._account(len(line), item):
                     self.dropped += 1
                     continue
                 batch.append(line)
@@ -1273,11 +1273,13 @@ class Session:
             for t, v in zip(group, values, strict=True):
                 out[id(t)] = int(v) if ints else v
 
-    def _account(self, nbytes: int) -> bool:
+    def _account(self, nbytes: int, record: Call | bytes | None = None) -> bool:
+        """Count ``nbytes`` against the cap; ``False`` (the cap reached, now or before) when they do
+        not fit. ``record``: the record they are (its ``step`` and ``seq`` are the cap's)."""
         if self.cap_reached:
             return False
         if self.written + self._tables_bytes + nbytes > self._max_bytes:
-            self._reach_cap()
+            self._reach_cap(record)
             return False
         self.written += nbytes
         return True
@@ -1288,17 +1290,27 @@ class Session:
             return
         self.writer.write_line(line)
 
-    def _reach_cap(self) -> None:
+    def _reach_cap(self, record: Call | bytes | None = None) -> None:
+        """Stop recording: the ``cap`` record (``seq`` and ``step``: of ``record``, the first record
+        not written, so that ``seq`` stays contiguous; the capture's current ones for a dump or
+        table) and the message on stderr."""
         self.cap_reached = True
+        step, seq = self.step, self.seq
+        try:
+            rec = orjson.loads(record) if isinstance(record, bytes) else record.rec if record is not None else None
+            if rec is not None:
+                step, seq = rec["step"], rec["seq"]
+        except Exception:  # the capture's current ones
+            pass
         msg = (f"opguard capture: rank {self.rank} reached the size cap OPGUARD_CAPTURE_MAX_MB="
-               f"{self.options.max_mb:g} MiB at step {self.step} (seq {self.seq}); no further records are "
+               f"{self.options.max_mb:g} MiB at step {step} (seq {seq}); no further records are "
                f"written for this rank (trace: {self.dir}). Raise OPGUARD_CAPTURE_MAX_MB or select fewer "
                "steps/functions (OPGUARD_CAPTURE_STEPS, OPGUARD_CAPTURE_FUNCTIONS)")
         print(msg, file=sys.stderr, flush=True)
-        rec = {"v": records.VERSION, "kind": "cap", "seq": self.seq, "step": self.step, "rank": self.rank,
+        cap = {"v": records.VERSION, "kind": "cap", "seq": seq, "step": step, "rank": self.rank,
                "limit_bytes": self.options.max_bytes, "written_bytes": self.written, "message": msg}
         self._write_batch()  # the records before the cap record, when the cap is reached in a flush
-        self.writer.write_line(records.encode(rec))
+        self.writer.write_line(records.encode(cap))
         for cb in self.on_cap:
             cb()
 

@@ -297,6 +297,10 @@ def test_size_cap_is_loud_and_stops_recording(out_env: dict[str, str], capfd: py
     recs = read_trace(cap.path)
     kinds = [r["kind"] for r in recs]
     assert kinds.count("cap") == 1 and kinds[-1] == "end" and kinds.index("cap") == len(kinds) - 2
+    # the cap names the first record not written: seq numbers stay contiguous up to it
+    mark = recs[-2]
+    assert [r["seq"] for r in recs if r["kind"] == "op"] == list(range(mark["seq"]))
+    assert f"at step {mark['step']} (seq {mark['seq']})" in err and f"(seq {mark['seq']})" in mark["message"]
     size = sum(p.stat().st_size for p in cap.path.rglob("*") if p.is_file())
     assert size < 0.02 * 2**20 + 4096
     meta = json.loads((cap.path / "meta.json").read_text())
