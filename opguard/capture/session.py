@@ -713,7 +713,15 @@ class Session:
     def _dead_entry(self, ref: _Ref) -> None:
         """A summarised tensor died: its cache entry, its storage's list of keys when no other is
         cached, and its same-object record go with it (kept, they would pile up to ``CACHE_ENTRIES``
-        each: live objects that Python's collector walks, docs/capture.md §3.12)."""
+        each: live objects that Python's collector walks, docs/capture.md §3.12). A weak reference's
+        callback: a failure here would be printed by Python as an ignored exception, so it is
+        capture's own, contained like any other."""
+        try:
+            self._drop_dead(ref)
+        except Exception as err:
+            self.failed("recording", err)
+
+    def _drop_dead(self, ref: _Ref) -> None:
         key = ref.key
         s = self._cache.get(key) if key is not None else None
         if key is not None and s is not None and s.ref is ref:  # not an entry re-made since for another tensor

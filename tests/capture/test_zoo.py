@@ -336,7 +336,7 @@ def _boom(*_a: Any, **_k: Any) -> Any:
     raise RuntimeError("injected failure")
 
 
-@pytest.mark.parametrize("stage", ["recording", "digest", "statistics", "writing"])
+@pytest.mark.parametrize("stage", ["recording", "digest", "statistics", "writing", "dead tensor"])
 def test_a_failure_in_each_capture_stage_leaves_the_program_unchanged(
         stage: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]) -> None:
     expected, _ = _train(None)
@@ -346,12 +346,19 @@ def test_a_failure_in_each_capture_stage_leaves_the_program_unchanged(
         monkeypatch.setattr(session, "finish", _boom)
     elif stage == "statistics":
         monkeypatch.setattr(session, "_moments_json", _boom)
-    else:
+    elif stage == "writing":
         monkeypatch.setattr(records, "encode", _boom)
+    else:  # the weak-reference callback that drops a dead tensor's cache entry (§3.12)
+        monkeypatch.setattr(session.Session, "_drop_dead", _boom)
     losses, cap = _train({"OPGUARD_TRACE_OUTPUT_BASE": str(tmp_path)})
     monkeypatch.undo()
     assert [v.view(torch.int32).item() for v in losses] == [v.view(torch.int32).item() for v in expected]
     err = capfd.readouterr().err
+    assert "Exception ignored" not in err
+    if stage == "dead tensor":  # said once; the records are complete
+        assert err.count("capture's own recording failed (recording: RuntimeError: injected failure)") == 1
+        assert ops(read_trace(cap.path)) and not [r for r in ops(read_trace(cap.path)) if "capture_error" in r]
+        return
     if stage == "writing":  # the records are lost: said once on stderr, counted in meta
         assert err.count("capture's own writing failed (writing: RuntimeError: injected failure)") == 1
         assert "writing the end of the trace failed" in err
