@@ -94,6 +94,15 @@ def test_digest_of_a_long_argument_and_other_kinds(tmp_path: Path) -> None:
     assert "arguments differ" in p.stderr
 
 
+def test_a_changed_slice_reads_as_a_slice(tmp_path: Path) -> None:
+    """``x[:80]`` against ``x[:48]`` (a capacity factor edited): the slice, not its JSON list."""
+    recs_a = _gpt_like("a", gelu_args=[synth.arg("arg1", "slice", [None, 80, None])])
+    recs_b = _gpt_like("b", gelu_args=[synth.arg("arg1", "slice", [None, 48, 2])])
+    p = run_compare(_write(tmp_path, "a", recs_a), _write(tmp_path, "b", recs_b), tmp_path / "v.pftrace")
+    assert p.returncode == 0, p.stderr
+    assert "arguments differ: arg1: slice(None, 80, None) -> slice(None, 48, 2)" in p.stderr
+
+
 def test_identical_rerun_reports_no_divergence(tmp_path: Path) -> None:
     a = _write(tmp_path, "a", _gpt_like("a"))
     b = _write(tmp_path, "b", _gpt_like("b"))         # only the uninitialised garbage differs
