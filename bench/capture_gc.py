@@ -19,23 +19,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.capture_child import REPO, run_child
 
 CHILD = r"""
-import gc, json, sys, tempfile, time
-tree, repo, model, kernel, steps = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5])
-sys.path[:0] = [tree, repo]
-import torch
-torch.set_num_threads(1)
-import opguard.capture as oc
-from bench.capture_ops import make
-assert oc.__file__.startswith(tree), (oc.__file__, tree)
-step = make(model)
+import gc, json, tempfile, time
+kernel, steps = args[0], int(args[1])
 for _ in range(3):
     step()
 c0 = time.thread_time()
@@ -82,16 +75,11 @@ def main() -> None:
     args = ap.parse_args()
     trees = {"new": str(REPO), "old": str(args.old.resolve())}
     out: dict[str, dict[str, dict[str, object]]] = {}
-    env = dict(os.environ, OMP_NUM_THREADS="1")
     for model in args.models.split(","):
         for kernel in args.kernels.split(","):
             key = f"{model}/{kernel}"
             for tag in ("new", "old"):
-                with tempfile.TemporaryDirectory() as cwd:
-                    res = subprocess.run([sys.executable, "-c", CHILD, trees[tag], str(REPO), model, kernel,
-                                          str(args.steps)], cwd=cwd, env=env, capture_output=True, text=True,
-                                         check=True)
-                got = json.loads(res.stdout.strip().splitlines()[-1])
+                got = run_child(CHILD, trees[tag], model, kernel, str(args.steps))
                 got["loadavg_1min"] = round(os.getloadavg()[0], 2)
                 out.setdefault(key, {})[tag] = got
                 print(f"{key} {tag}: {got}", file=sys.stderr, flush=True)

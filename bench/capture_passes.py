@@ -15,25 +15,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.capture_child import REPO, run_child
 
 CHILD = r"""
-import collections, json, sys, tempfile
-tree, repo, model, steps = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
-sys.path[:0] = [tree, repo]
-import torch
-torch.set_num_threads(1)
-import opguard.capture as oc
+import collections, json, tempfile
 from opguard.capture import session as S
-from bench.capture_ops import make
-assert oc.__file__.startswith(tree), (oc.__file__, tree)
-step = make(model)
+steps = int(args[0])
 for _ in range(2):
     step()
 counts = collections.Counter()
@@ -68,13 +60,9 @@ def main() -> None:
     if args.old is not None:
         trees["old"] = str(args.old.resolve())
     out: dict[str, dict[str, object]] = {}
-    env = dict(os.environ, OMP_NUM_THREADS="1")
     for model in args.models.split(","):
         for tag, tree in trees.items():
-            with tempfile.TemporaryDirectory() as cwd:
-                res = subprocess.run([sys.executable, "-c", CHILD, tree, str(REPO), model, str(args.steps)],
-                                     cwd=cwd, env=env, capture_output=True, text=True, check=True)
-            out.setdefault(model, {})[tag] = json.loads(res.stdout.strip().splitlines()[-1])
+            out.setdefault(model, {})[tag] = run_child(CHILD, tree, model, str(args.steps))
     print(json.dumps({"passes_per_step": out, "config": {k: str(v) for k, v in vars(args).items()}}, indent=1))
 
 
