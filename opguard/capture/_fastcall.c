@@ -781,6 +781,72 @@ static PyObject *entry(PyObject *s, PyObject *call, PyObject *slot, PyObject *t,
     return e;
 }
 
+/* entries(session, call, pairs, output, fresh): Session.inputs()/outputs() for a record of many tensors (an
+ * optimizer step's): [entry(session, call, slot, t, output, fresh) for slot, t in pairs], one call from Python
+ * instead of a Session.entry() frame per tensor. A plain Tensor/Parameter goes through entry() above (C, and
+ * its fallbacks: _entry_fast, then Session.entry); any other object through session.entry(call, slot, t,
+ * output, fresh=fresh), which reads a subclass as a Tensor. The caller (Session.inputs/outputs) takes this
+ * path only where Session.entry() would go straight to its fast path: the host kernel digesting, no
+ * uninitialised memory marked, no entry of its own marked uninitialised. */
+static PyObject *entries_py(PyObject *self, PyObject *const *a, Py_ssize_t n) {
+    (void)self;
+    if (n != 5) {
+        PyErr_Format(PyExc_TypeError, "opguard.capture._fastcall.entries takes 5 arguments, got %zd", n);
+        return NULL;
+    }
+    if ((configured & 1) != 1) {
+        PyErr_SetString(PyExc_RuntimeError, "opguard.capture._fastcall.entries: called before configure_entry()");
+        return NULL;
+    }
+    PyObject *s = a[0], *call = a[1];
+    int output = PyObject_IsTrue(a[3]), fresh = PyObject_IsTrue(a[4]);
+    if (output < 0 || fresh < 0) return NULL;
+    if (!PyList_Check(a[2])) {
+        PyErr_SetString(PyExc_TypeError, "entries: pairs must be a list of (slot, tensor)");
+        return NULL;
+    }
+    PyObject *seq = a[2];
+    Py_INCREF(seq);
+    Py_ssize_t m = PyList_Size(seq);
+    PyObject *out = PyList_New(m);
+    if (out == NULL) {
+        Py_DECREF(seq);
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < m; i++) {
+        PyObject *pair = PyList_GetItem(seq, i); /* borrowed; NULL: the list shrank meanwhile */
+        if (pair == NULL) goto fail;
+        if (!PyTuple_Check(pair) || PyTuple_Size(pair) != 2) {
+            PyErr_SetString(PyExc_TypeError, "entries: pairs must be (slot, tensor) tuples");
+            goto fail;
+        }
+        Py_INCREF(pair); /* the list may change while Python code runs below */
+        PyObject *slot = PyTuple_GetItem(pair, 0), *t = PyTuple_GetItem(pair, 1), *e;
+        PyObject *tt = (PyObject *)Py_TYPE(t);
+        if (tt == g_Tensor || tt == g_Parameter) {
+            e = entry(s, call, slot, t, output, fresh);
+        } else {
+            PyObject *general = PyObject_GetAttr(s, n_entry);
+            PyObject *pargs = general ? PyTuple_Pack(4, call, slot, t, output ? Py_True : Py_False) : NULL;
+            PyObject *kw = pargs ? PyDict_New() : NULL;
+            e = kw != NULL && PyDict_SetItem(kw, n_fresh, fresh ? Py_True : Py_False) == 0
+                    ? PyObject_Call(general, pargs, kw) : NULL;
+            Py_XDECREF(general);
+            Py_XDECREF(pargs);
+            Py_XDECREF(kw);
+        }
+        Py_DECREF(pair);
+        if (e == NULL) goto fail;
+        if (PyList_SetItem(out, i, e) < 0) goto fail; /* steals e */
+    }
+    Py_DECREF(seq);
+    return out;
+fail:
+    Py_DECREF(seq);
+    Py_DECREF(out);
+    return NULL;
+}
+
 static PyObject *list_attr(PyObject *o, PyObject *name) {
     PyObject *v = PyObject_GetAttr(o, name);
     if (v != NULL && !PyList_Check(v)) {
@@ -1218,6 +1284,8 @@ static PyMethodDef methods[] = {
     {"entry", (PyCFunction)(void (*)(void))entry_py, METH_FASTCALL,
      "entry(session, call, slot, t, output, fresh): Session._entry_fast for its common cases; NotImplemented: "
      "_entry_fast decides"},
+    {"entries", (PyCFunction)(void (*)(void))entries_py, METH_FASTCALL,
+     "entries(session, call, pairs, output, fresh): [entry(...) for slot, t in pairs] (Session.inputs/outputs)"},
     {"configure_entry", configure_entry, METH_VARARGS,
      "configure_entry(records_module, Tensor, Parameter, session_module, hostkernel_module, entry_fast, Summary, "
      "Ref, cpu, strided)"},

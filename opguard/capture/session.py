@@ -286,6 +286,8 @@ class Session:
         self.host_strided: Any = getattr(self.host, "strided", None) if self.host_digest else None
         # _entry_fast's common cases in C (same results; §3.11), while _entry_fast is this module's own
         self.c_entry: Any = _fastcall.entry if _fastcall is not None and options.fast_call else None
+        # the same for a list of tensors at once (None: an extension built before it existed)
+        self.c_entries: Any = getattr(self.c_entry and _fastcall, "entries", None)
         self.buffer = options.buffer  # records held before a flush (read per op)
         self.sites = SiteTable(rebuilds_recorded=options.record_noise)
         self.sources = SourceIndex()
@@ -1078,14 +1080,34 @@ class Session:
 
     def inputs(self, call: Call, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         ins = call.rec["inputs"]
+        if self._entries_at_once(call, tensors, False, False, ins):
+            return
         for slot, t in tensors:
             ins.append(self.entry(call, slot, t, False))
 
     def outputs(self, call: Call, tensors: Iterable[tuple[str, torch.Tensor]], *, fresh: bool = False,
                 uninitialized: bool = False) -> None:
         outs = call.rec["outputs"]
+        if not uninitialized and self._entries_at_once(call, tensors, True, fresh, outs):
+            return
         for slot, t in tensors:
             outs.append(self.entry(call, slot, t, True, fresh=fresh, uninitialized=uninitialized))
+
+    def _entries_at_once(self, call: Call, tensors: Iterable[tuple[str, torch.Tensor]], output: bool, fresh: bool,
+                         into: list[dict[str, Any]]) -> bool:
+        """The entries of a list of tensors (an optimizer step's ~100) made by one call into C
+        (``_fastcall.entries``: what :meth:`entry` does for each, its Python frame left out), where
+        :meth:`entry` would go straight to its fast path: the host kernel digesting and no memory
+        marked uninitialised. False: not taken, or it raised (nothing added: :meth:`entry` per tensor
+        then does the same work again, from the cache, and raises where it did)."""
+        many = self.c_entries
+        if many is None or not self.host_digest or self._uninit or type(tensors) is not list or len(tensors) < 2:
+            return False
+        try:
+            into.extend(many(self, call, tensors, output, fresh))
+        except Exception:
+            return False
+        return True
 
     def maybe_flush(self) -> None:
         """At the end of an intercepted call: with no record open, the finished records are sealed

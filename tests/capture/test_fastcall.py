@@ -211,3 +211,36 @@ def test_an_unhashable_torch_function_passes_through(fast: str, tmp_path: Path) 
     assert torch.equal(r, torch.full((3,), 2.0))
     recs = ops(read_trace(cap.path))
     assert len(recs) == 3 and all(r["inputs"][0]["shape"] == [3] for r in recs), recs
+
+
+def test_an_optimizer_step_s_entries_made_at_once_are_those_made_one_by_one(
+        fastcall: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``_fastcall.entries`` (an optimizer record's ~100 tensor entries in one call, §3.11) gives the
+    record :meth:`Session.entry` gives tensor by tensor, byte for byte; where it raises part-way the
+    record is still whole and the same (made again one by one), and the program is unchanged."""
+    expected = program()
+    real = fastcall.entries
+    calls: list[int] = []
+
+    def counted(s: Any, call: Any, pairs: Any, output: bool, fresh: bool) -> Any:
+        calls.append(len(pairs))
+        return real(s, call, pairs, output, fresh)
+
+    monkeypatch.setattr(fastcall, "entries", counted)
+    got, batched = captured(tmp_path / "at-once", "1")
+    assert bits(got) == bits(expected)
+    assert calls == [12, 24, 30, 24, 30, 24], calls  # 3 steps: inputs and outputs of each
+
+    def half_then_boom(s: Any, call: Any, pairs: Any, output: bool, fresh: bool) -> Any:
+        real(s, call, pairs[: len(pairs) // 2], output, fresh)  # its work done, its cache entries made
+        raise RuntimeError("injected failure")
+
+    monkeypatch.setattr(fastcall, "entries", half_then_boom)
+    got, failed = captured(tmp_path / "fails", "1")
+    assert bits(got) == bits(expected)
+    monkeypatch.setattr(session.Session, "_entries_at_once", lambda *a: False)
+    got, one_by_one = captured(tmp_path / "one-by-one", "1")
+    assert bits(got) == bits(expected)
+    assert batched == one_by_one == failed
+    opt = [json.loads(line) for line in batched if '"kind":"op"' in line and '"api":"optimizer"' in line]
+    assert len(opt) == 3 and [(len(r["inputs"]), len(r["outputs"])) for r in opt] == [(12, 24), (30, 24), (30, 24)]
