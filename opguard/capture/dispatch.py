@@ -24,6 +24,22 @@ META_KEY = "opguard"
 _SKIP = frozenset({"detach", "alias", "lift_fresh", "_to_copy"})
 
 
+_VIEWS: dict[Any, bool] = {}  # per overload: it returns a view of an argument (its schema's non-write alias)
+
+
+def _returns_view(func: Any) -> bool:
+    """The aten overload returns a view of one of its arguments (``select``, ``view``, ``slice``:
+    a return with a non-write alias annotation in its schema)."""
+    hit = _VIEWS.get(func)
+    if hit is None:
+        try:
+            hit = any(r.alias_info is not None and not r.alias_info.is_write for r in func._schema.returns)
+        except Exception:  # no schema to read: not taken for a view
+            hit = False
+        _VIEWS[func] = hit
+    return hit
+
+
 def tag_outputs(call: Call, outs: list[tuple[str, torch.Tensor]]) -> None:
     """Remember on each output's autograd node which function record produced it."""
     rec = call.rec
@@ -117,6 +133,11 @@ class AtenMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
                 s.busy += 1
                 try:
                     if name in records.UNINITIALIZED_FNS:
+                        s.outputs(call, outs, uninitialized=True)
+                    elif (_returns_view(func) and s._uninit
+                          and any(e.get("uninitialized") for e in rec["inputs"])):
+                        # a view of uninitialised memory (aten::select of a torch.empty buffer): the view
+                        # op wrote nothing; below autograd a view has no _base to find its mark by (§3.7)
                         s.outputs(call, outs, uninitialized=True)
                     else:  # an input object as output (in-place, out=): a write, digested from memory (§5.3)
                         put = rec["outputs"].append

@@ -185,6 +185,37 @@ def _written_outputs(written: frozenset[str], ins: list[tuple[str, torch.Tensor]
                 held.add(id(t))
 
 
+# in-place functions that write every element of the tensor they write, whatever it held (§3.7)
+_WRITES_WHOLE = frozenset({
+    "Tensor.copy_", "Tensor.fill_", "Tensor.zero_", "Tensor.normal_", "Tensor.uniform_", "Tensor.random_",
+    "Tensor.bernoulli_", "Tensor.exponential_", "Tensor.geometric_", "Tensor.cauchy_", "Tensor.log_normal_",
+    "torch.fill_", "torch.zero_",
+})
+
+
+def _full_index(index: Any) -> bool:
+    """``t[index]`` is all of ``t``: ``...``, ``:``, or a tuple of those."""
+    if index is Ellipsis or (type(index) is slice and index == slice(None)):
+        return True
+    return type(index) is tuple and all(i is Ellipsis or (type(i) is slice and i == slice(None)) for i in index)
+
+
+def writes_whole(name: str, args: Sequence[Any], kwargs: Mapping[str, Any]) -> bool:
+    """The call ``name(*args, **kwargs)`` writes every element of the tensor it writes: an ``out=``
+    result, ``copy_``/``fill_``/``zero_`` and the random fills, ``torch.nn.init``, ``t[...] = v``
+    or ``t[:] = v``. Any other write (``t[i] = v``, ``index_copy_``, ``scatter_``, ``masked_fill_``,
+    an in-place op reading what it overwrites) may leave elements as they were (§3.7)."""
+    if "out" in kwargs or name in _WRITES_WHOLE or name.startswith("torch.nn.init."):
+        return True
+    return name == "Tensor.__setitem__" and len(args) > 1 and _full_index(args[1])
+
+
+def unwritten_inputs(ins: list[tuple[str, torch.Tensor]], entries: list[dict[str, Any]]) -> set[int]:
+    """ids of the input tensors whose entries were uninitialised memory (§3.7) when the call began."""
+    # (fewer entries than inputs when recording them failed part-way: those are not known as such)
+    return {id(t) for (_slot, t), e in zip(ins, entries, strict=False) if e.get("uninitialized")}
+
+
 def split_args(args: Sequence[Any], kwargs: Mapping[str, Any], method: bool
                ) -> tuple[list[tuple[str, torch.Tensor]], list[dict[str, Any]]]:
     """(tensor slots, non-tensor ``args`` entries) of one call, in argument order."""
@@ -360,6 +391,7 @@ class CaptureMode(TorchFunctionMode):
         if call is None and not reenter:  # left out by a filter (or capture's own failure)
             return _unselected(s, name, func, args, kwargs, via(func, args, kwargs))
         watch: int | None = None  # a watched wrapper call (wrappers.py): where the records it makes begin
+        marked = bool(s._uninit)  # uninitialised memory is marked (§3.7): its inputs may be some
         if call is not None:
             s.parents.append(call.rec["seq"])
             if reenter and s.select_all and wrappers.watched(func):
@@ -412,6 +444,9 @@ class CaptureMode(TorchFunctionMode):
                 else:  # s.outputs(call, outs), with entry()'s fast path tried here (one or two calls less)
                     entry, put = s.entry, call.rec["outputs"].append
                     fast = s._entry_fast if s.host_digest and not s._uninit else None
+                    # inputs that were uninitialised memory: a write to part of one leaves the rest (§3.7)
+                    # (marked when the call began: at level=dispatch a nested aten write may have cleared it)
+                    unwritten = unwritten_inputs(ins, call.rec["inputs"]) if marked and ins else None
                     for slot, t in outs:
                         # an input object as output (in-place, out=, __setitem__): a write, digested from
                         # memory: a cached key can be another alias's (p.data has a version counter of
@@ -421,6 +456,12 @@ class CaptureMode(TorchFunctionMode):
                             if x is t:
                                 wrote = True
                                 break
+                        if wrote and unwritten and id(t) in unwritten:
+                            whole = writes_whole(name, args, kwargs)
+                            put(entry(call, slot, t, True, fresh=True) if whole
+                                else entry(call, slot, t, True, uninitialized=True))
+                            s.partly_written(t, whole)
+                            continue
                         ent = None
                         if fast is not None:
                             try:

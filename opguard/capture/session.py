@@ -628,6 +628,31 @@ class Session:
                 self._uninit.pop(ptr, None)
                 self._drop_storage(region)
 
+    def partly_written(self, t: torch.Tensor, whole: bool) -> None:
+        """A recorded call wrote ``t``, uninitialised memory until then (§3.7): all of it (``whole``:
+        ``copy_``, ``fill_``, ``out=``, ``t[:] = v``) or only some elements (``t[i] = v``,
+        ``index_copy_``, ...). What was not written is still whatever the allocator left: unless the
+        call wrote all of the marked tensor itself, the mark stays on it (``t``, or the tensor ``t``
+        is a view of), moved to its version after this write. (A write through a view of the first
+        row cleared the mark of the whole buffer, and a partial write's ``self`` was digested with
+        its unwritten rows: identical runs compared with false divergences.)"""
+        base = t._base if t._base is not None else t
+        ptr = _address(base)
+        if ptr is None:
+            return
+        mark = self._uninit.get(ptr)
+        if mark is not None and mark[1] is None:  # memory a storage resize grew: marked whatever is there
+            return
+        if whole and base is t:
+            self._uninit.pop(ptr, None)
+            return
+        try:
+            self._uninit[ptr] = (weakref.ref(base), base._version)
+        except (TypeError, RuntimeError):  # not weakly referenceable; an inference tensor
+            return
+        while len(self._uninit) > CACHE_ENTRIES:  # bounded: the oldest marks go first
+            del self._uninit[next(iter(self._uninit))]
+
     def resized(self, old: int, new: int, old_bytes: int, new_bytes: int) -> None:
         """A storage was resized (``UntypedStorage.resize_``, which capture's mode does not see: FSDP2
         frees its unsharded parameters' memory with ``resize_(0)`` while the parameter objects live

@@ -1130,18 +1130,22 @@ def test_to_empty_leaves_parameters_marked_uninitialised(out_env: dict[str, str]
 
 def test_a_growing_resize_is_uninitialised(out_env: dict[str, str]) -> None:
     """``resize_`` that grows a tensor leaves its new elements uninitialised: its output is marked so
-    (identical runs compared with an 'introduced' divergence on it); once written it is a result."""
+    (identical runs compared with an 'introduced' divergence on it); written in part (``c[4:] = 1``:
+    capture does not track which elements) it stays so; once written whole it is a result."""
     c = torch.arange(4.0)
     with oc.capture(env=out_env) as cap:
         c.resize_(64)
         c[4:] = 1.0
         c.resize_(8)
+        c[:] = torch.tensor([0, 1, 2, 3, 1, 1, 1, 1.0])
+        c.resize_(6)
         c.sum()
     recs = ops(read_trace(cap.path))
-    grow, shrink = [r["outputs"][0] for r in recs if r["fn"] == "Tensor.resize_"]
+    grow, shrink, shrunk = [r["outputs"][0] for r in recs if r["fn"] == "Tensor.resize_"]
     assert grow.get("uninitialized") is True and grow["digest"] is None
-    assert shrink.get("uninitialized") is None
-    assert shrink["digest"] == oc_digest(torch.tensor([0, 1, 2, 3, 1, 1, 1, 1.0]))
+    assert shrink.get("uninitialized") is True and shrink["digest"] is None
+    assert shrunk.get("uninitialized") is None
+    assert shrunk["digest"] == oc_digest(torch.tensor([0, 1, 2, 3, 1, 1.0]))
 
 
 def test_an_output_named_like_an_input_has_its_own_dump(out_env: dict[str, str]) -> None:
@@ -1323,3 +1327,53 @@ def test_optimizers_stepped_inside_a_backward_advance_the_step_once_when_it_ends
     assert [r["step"] for r in recs if r["kind"] == "step"] == [1, 2, 3]
     meta = json.loads((cap.path / "meta.json").read_text())
     assert meta["step_source"] == "optimizer"
+
+
+def test_a_partial_write_leaves_the_rest_uninitialized(tmp_path: Path) -> None:
+    """``out = torch.empty(4, 3); out[i] = x[i]`` row by row (a crop loop, a preallocated batch):
+    after each write ``out`` still holds what the allocator left in the other rows, and its entry as
+    the write's output was digested whole: identical runs compared with a false first divergence
+    ("outputs differ, inputs and arguments equal") that came before a real edit (hand test, a
+    SimCLR crop loop). A write through a view of the first row cleared the whole buffer's mark.
+    Now a partial write's output stays uninitialised and the mark stays; a whole write (``copy_``,
+    ``fill_``, ``out=``, ``t[:] = v``) makes what it wrote content (docs/capture.md §3.7)."""
+    x = torch.arange(12.0).view(4, 3)
+    with oc.capture(env={"OPGUARD_TRACE_OUTPUT_BASE": str(tmp_path)}) as cap:
+        rows = torch.empty(4, 3)
+        for i in range(4):
+            rows[i] = x[i]
+        rows.sum()
+        full = torch.empty(4, 3)
+        full[:] = x
+        full.sum()
+        half = torch.empty(4, 3)
+        half[0].copy_(x[0])  # a whole write of a view at the buffer's own address
+        half[1].copy_(x[1])
+        half.narrow(0, 2, 2).fill_(1.0)
+        half.sum()
+        some = torch.empty(4, 3)
+        some.index_copy_(0, torch.tensor([0, 1]), x[:2])
+        z = torch.empty(4, 3)
+        torch.add(x, 1, out=z)
+        z.sum()
+    op = ops(read_trace(cap.path))
+    sets = [r for r in op if r["fn"] == "Tensor.__setitem__"]
+    assert len(sets) == 5
+    for r in sets[:4]:
+        assert r["inputs"][0]["slot"] == "self" and r["inputs"][0]["uninitialized"] is True
+        assert r["outputs"][0]["uninitialized"] is True and r["outputs"][0]["digest"] is None, r
+    sums = [r for r in op if r["fn"] == "Tensor.sum"]
+    assert sums[0]["inputs"][0]["uninitialized"] is True  # not known to be written whole
+    assert sums[0]["outputs"][0]["digest"] == oc_digest(x.sum())  # what it computed is a result
+    assert sets[4]["outputs"][0]["digest"] == oc_digest(x) and "uninitialized" not in sets[4]["outputs"][0]
+    assert sums[1]["inputs"][0]["digest"] == oc_digest(x)
+    copies = [r for r in op if r["fn"] == "Tensor.copy_"]
+    assert [c["inputs"][0].get("uninitialized") for c in copies] == [True, True]
+    assert [c["outputs"][0]["digest"] for c in copies] == [oc_digest(x[0]), oc_digest(x[1])]
+    fill = next(r for r in op if r["fn"] == "Tensor.fill_")
+    assert fill["inputs"][0]["uninitialized"] is True and fill["outputs"][0]["digest"] == oc_digest(torch.ones(2, 3))
+    assert sums[2]["inputs"][0]["uninitialized"] is True and sums[2]["outputs"][0]["digest"]
+    ic = next(r for r in op if r["fn"] == "Tensor.index_copy_")
+    assert ic["outputs"][0]["uninitialized"] is True and ic["outputs"][0]["digest"] is None
+    add = next(r for r in op if r["fn"] == "torch.add")
+    assert add["outputs"][0]["digest"] == oc_digest(x + 1) and sums[3]["inputs"][0]["digest"] == oc_digest(x + 1)
