@@ -218,6 +218,10 @@ def _compute_name(func: Any) -> tuple[str, int]:
     if isinstance(func, torch._ops.OpOverload):
         return f"aten::{func._opname}.{func._overloadname}" if func.namespace == "aten" else str(func), RECORD
     qual = getattr(func, "__qualname__", fname)
+    if "<locals>" in qual and isinstance(fname, str) and qual.rpartition(".")[2] != fname:
+        # a function made inside another and given its public name (torch.nn.functional.max_pool2d is
+        # boolean_dispatch.<locals>.fn, __name__ 'max_pool2d'): the name it was published under
+        qual = fname
     head = qual.split(".", 1)[0]
     if head in ("TensorBase", "Tensor", "_TensorBase"):
         method = qual.split(".", 1)[1] if "." in qual else fname

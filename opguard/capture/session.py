@@ -46,6 +46,21 @@ SEGMENT_BYTES = 64 << 20
 _Tensor, _Parameter, _STRIDED, _CPU = torch.Tensor, torch.nn.Parameter, torch.strided, torch.device("cpu")
 _PLAIN = (_Tensor, _Parameter)
 _tf_enabled = torch._C._is_torch_function_enabled  # False inside DisableTorchFunction(Subclass)
+_any_autocast: Callable[[], bool] = getattr(torch._C, "_is_any_autocast_enabled", lambda: False)
+_AUTOCAST_DEVICES = ("cpu", "cuda", "xpu")
+
+
+def autocast_state() -> str | None:
+    """``"cpu:bfloat16"`` (``"cpu:bfloat16,cuda:float16"``, ...): the devices autocast is on for now
+    and the type it casts to there; None when it is on for none (docs/capture.md §3.1)."""
+    on = []
+    for dev in _AUTOCAST_DEVICES:
+        try:
+            if torch.is_autocast_enabled(dev):
+                on.append(f"{dev}:{records.dtype_name(torch.get_autocast_dtype(dev))}")
+        except (RuntimeError, TypeError, ValueError):  # a device type this build does not know
+            continue
+    return ",".join(on) or None
 _NO_SUBCLASS_TF = torch._C.DisableTorchFunctionSubclass  # tensor subclasses' __torch_function__ off
 _DTYPE_NAMES = {d: str(d).removeprefix("torch.") for d in (
     torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16, torch.int8,
@@ -1086,6 +1101,10 @@ class Session:
             "file": site.file, "line": site.line, "func": site.func, "src": site.src, "site": site.id,
             "module": module, "context": context, "depth": len(parents),
             "parent": parents[-1] if parents else None, "phase": phase, "inputs": [], "outputs": []}
+        if _any_autocast():  # the type autocast runs this call in: evidence as an argument is (§3.1)
+            ac = autocast_state()
+            if ac is not None:
+                rec["autocast"] = ac
         call = Call(rec)
         self.pending.append(call)
         return call

@@ -420,7 +420,8 @@ def _slots_equal(x: _Item, y: _Item, dumps: bool) -> bool:
     if x.__class__ is tuple and y.__class__ is tuple:     # both capture items (the usual case)
         a, b = x[3], y[3]
         return not dumps and a.get("inputs") == b.get("inputs") and a.get("outputs") == b.get("outputs") and \
-            a.get("error") == b.get("error") and a.get("args") == b.get("args")
+            a.get("error") == b.get("error") and a.get("args") == b.get("args") and \
+            a.get("autocast") == b.get("autocast")
     return isinstance(x, Record) and isinstance(y, Record) and x.inputs == y.inputs and x.outputs == y.outputs
 
 

@@ -54,6 +54,9 @@ class Arg:
         return self.value
 
 
+AUTOCAST_SLOT = "(autocast)"  # a capture record's "autocast" field among its arguments (docs/compare.md §4)
+
+
 def capture_args(raw: Any) -> tuple[Arg, ...] | None:
     """The ``args`` list of a schema-v2 op record (None when absent)."""
     if raw is None:
@@ -320,9 +323,13 @@ def from_capture(obj: Mapping[str, Any], index: int, sites: SiteCache, where: st
         outputs = [capture_slot(s, f"out{i}") for i, s in enumerate(obj.get("outputs") or ())]
         if obj.get("error"):
             outputs.append(Slot(name="error", digest=str(obj["error"])))
+        args = capture_args(obj.get("args"))
+        autocast = obj.get("autocast")
+        if autocast is not None:  # the autocast state the call ran under, compared as an argument is
+            args = (*(args or ()), Arg(AUTOCAST_SLOT, "str", json.dumps(str(autocast))))
         return Record(obj["rank"], index, site.function, site.site, site.file, site.line, site.scope,
                       site.line_digest, site.context, obj.get("seq"), obj.get("step"), site.collective,
-                      inputs, outputs, site.line_map, capture_args(obj.get("args")), obj.get("seeded") is True)
+                      inputs, outputs, site.line_map, args, obj.get("seeded") is True)
     except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise ConfigError(f"{where}: not an opguard capture op record ({type(e).__name__}: {e})",
                           "pass a trace directory written by opguard capture (docs/capture.md)") from None

@@ -263,6 +263,20 @@ def test_public_names_of_fft_linalg_and_special_functions(out_env: dict[str, str
         "torch.fft.rfft", "torch.fft.irfft", "torch.linalg.vector_norm", "torch.special.erf"]
 
 
+def test_functions_made_by_boolean_dispatch_have_their_public_names(out_env: dict[str, str]) -> None:
+    """``F.max_pool2d`` (``nn.MaxPool2d``'s call) is made by ``boolean_dispatch``: its qualified name is
+    ``boolean_dispatch.<locals>.fn``, and its records were named
+    ``torch.nn.functional.boolean_dispatch.<locals>.fn`` (hand test, a conv encoder)."""
+    x = torch.randn(1, 1, 4, 4)
+    with oc.capture(env=out_env) as cap:
+        torch.nn.functional.max_pool2d(x, 2)
+        torch.nn.MaxPool1d(2)(x[0])
+        torch.nn.functional.adaptive_max_pool2d(x, 1, return_indices=True)
+    assert [r["fn"] for r in ops(read_trace(cap.path)) if r["depth"] == 0] == [
+        "torch.nn.functional.max_pool2d", "Tensor.__getitem__", "torch.nn.functional.max_pool1d",
+        "torch.nn.functional.adaptive_max_pool2d_with_indices"]
+
+
 def test_dumps_land_in_the_rank_directory_only(out_env: dict[str, str]) -> None:
     model, x, y = data()
     before = set(Path(CALLS).parent.iterdir())
