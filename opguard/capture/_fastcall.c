@@ -40,7 +40,7 @@ static PyObject *n_session, *n_busy, *n_quiet, *n_inflight, *n_plans, *n_cap_rea
     *n_bool, *n_none, *n_ids, *n_slash, *n_handle, *n_name, *n_passes, *n_standin, *n_unselected, *n_tensors_in,
     *n_arg_entry, *n_dtype_name, *n_hex, *n_dtype, *n_shape, *n_device, *n_cpu, *n_digest, *n_stats, *n_values,
     *n_seen_attr, *n_ref, *n_storage_offset, *n_element_size, *n_dead_cb, *n_key, *n_tid, *n_region, *n_dead, *n_at, *n_shared,
-    *n_host_entry, *n_version, *n_data_ptr, *n_is_cpu, *n_layout, *n_is_neg, *n_is_contiguous, *n_numel, *n_cache,
+    *n_host_entry, *n_base, *n_version, *n_data_ptr, *n_is_cpu, *n_layout, *n_is_neg, *n_is_contiguous, *n_numel, *n_cache,
     *n_new, *n_n, *n_cache_entries, *n_dtype_names, *n_codes;
 static PyObject *g_zero;
 
@@ -781,6 +781,79 @@ static PyObject *entry(PyObject *s, PyObject *call, PyObject *slot, PyObject *t,
     return e;
 }
 
+/* t (a plain Tensor/Parameter) is marked uninitialised (Session._uninit, docs/capture.md §3.7), at its own
+ * address or, a view, at its base's: 1; 0 not; -1 error. A tensor whose address cannot be read counts as
+ * marked (the Python handler decides). */
+static int marked(PyObject *marks, PyObject *t) {
+    PyObject *ptr = method0(t, n_data_ptr);
+    if (ptr == NULL) {
+        if (!PyErr_ExceptionMatches(PyExc_Exception)) return -1;
+        PyErr_Clear();
+        return 1;
+    }
+    int in = PyDict_Contains(marks, ptr);
+    Py_DECREF(ptr);
+    if (in != 0) return in;
+    PyObject *base = PyObject_GetAttr(t, n_base);
+    if (base == NULL) {
+        if (!PyErr_ExceptionMatches(PyExc_Exception)) return -1;
+        PyErr_Clear();
+        return 1;
+    }
+    if (base == Py_None) {
+        Py_DECREF(base);
+        return 0;
+    }
+    in = marked(marks, base);
+    Py_DECREF(base);
+    return in;
+}
+
+/* Some tensor argument of the call is (a view of) memory marked uninitialised: the Python handler's
+ * entries decide (1); none is (0: the C path's entries are those of the Python handler); -1 error. */
+static int marked_args(PyObject *marks, PyObject *args, PyObject *kwargs) {
+    Py_ssize_t n = PyTuple_Size(args);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *v = PyTuple_GetItem(args, i), *tt = (PyObject *)Py_TYPE(v);
+        if (tt == g_Tensor || tt == g_Parameter) {
+            int m = marked(marks, v);
+            if (m != 0) return m;
+        }
+    }
+    if (kwargs != Py_None && PyDict_Check(kwargs)) {
+        PyObject *k, *v;
+        Py_ssize_t pos = 0;
+        while (PyDict_Next(kwargs, &pos, &k, &v)) {
+            PyObject *tt = (PyObject *)Py_TYPE(v);
+            if (tt == g_Tensor || tt == g_Parameter) {
+                int m = marked(marks, v);
+                if (m != 0) return m;
+            }
+        }
+    }
+    return 0;
+}
+
+/* Session.entry for an output: a mark at t's address is memory a recorded op wrote now (no argument is
+ * marked, checked before): dropped. 0, or -1 on an error that is not an Exception. */
+static int pop_mark(PyObject *s, PyObject *t) {
+    PyObject *marks = PyObject_GetAttr(s, n_uninit);
+    if (marks == NULL) return -1;
+    int rc = 0;
+    if (PyDict_Check(marks) && PyDict_Size(marks)) {
+        PyObject *ptr = method0(t, n_data_ptr);
+        rc = ptr == NULL ? -1 : PyDict_Contains(marks, ptr);
+        if (rc > 0) rc = PyDict_DelItem(marks, ptr);
+        Py_XDECREF(ptr);
+        if (rc < 0 && PyErr_ExceptionMatches(PyExc_Exception)) { /* no address: nothing marked there */
+            PyErr_Clear();
+            rc = 0;
+        }
+    }
+    Py_DECREF(marks);
+    return rc < 0 ? -1 : 0;
+}
+
 /* entries(session, call, pairs, output, fresh): Session.inputs()/outputs() for a record of many tensors (an
  * optimizer step's): [entry(session, call, slot, t, output, fresh) for slot, t in pairs], one call from Python
  * instead of a Session.entry() frame per tensor. A plain Tensor/Parameter goes through entry() above (C, and
@@ -806,8 +879,26 @@ static PyObject *entries_py(PyObject *self, PyObject *const *a, Py_ssize_t n) {
         return NULL;
     }
     PyObject *seq = a[2];
-    Py_INCREF(seq);
     Py_ssize_t m = PyList_Size(seq);
+    {   /* memory marked uninitialised (§3.7): NotImplemented, nothing done, if a tensor is (a view of) it */
+        PyObject *marks = PyObject_GetAttr(s, n_uninit);
+        if (marks == NULL) return NULL;
+        int r = PyDict_Check(marks) ? 0 : 1;
+        for (Py_ssize_t i = 0; r == 0 && PyDict_Size(marks) && i < m; i++) {
+            PyObject *pair = PyList_GetItem(seq, i);
+            PyObject *t = pair && PyTuple_Check(pair) && PyTuple_Size(pair) == 2 ? PyTuple_GetItem(pair, 1) : NULL;
+            if (t == NULL) {
+                r = 1;
+                break;
+            }
+            PyObject *tt = (PyObject *)Py_TYPE(t);
+            if (tt == g_Tensor || tt == g_Parameter) r = marked(marks, t);
+        }
+        Py_DECREF(marks);
+        if (r < 0) return NULL;
+        if (r) return not_implemented();
+    }
+    Py_INCREF(seq);
     PyObject *out = PyList_New(m);
     if (out == NULL) {
         Py_DECREF(seq);
@@ -824,6 +915,10 @@ static PyObject *entries_py(PyObject *self, PyObject *const *a, Py_ssize_t n) {
         PyObject *slot = PyTuple_GetItem(pair, 0), *t = PyTuple_GetItem(pair, 1), *e;
         PyObject *tt = (PyObject *)Py_TYPE(t);
         if (tt == g_Tensor || tt == g_Parameter) {
+            if (output && pop_mark(s, t) < 0) {
+                Py_DECREF(pair);
+                goto fail;
+            }
             e = entry(s, call, slot, t, output, fresh);
         } else {
             PyObject *general = PyObject_GetAttr(s, n_entry);
@@ -1049,6 +1144,12 @@ static PyObject *record(PyObject *s, PyObject *caller, PyObject *func, PyObject 
             }
             Py_ssize_t nout = PyList_Size(outs);
             for (Py_ssize_t j = 0; j < nout; j++) {
+                /* Session.entry: an output at a marked address is memory a recorded op wrote (the marked
+                 * tensor is gone: no argument was it, handle() checked): its content is a result now */
+                PyObject *t = PyTuple_GetItem(PyList_GetItem(outs, j), 1), *tt = (PyObject *)Py_TYPE(t);
+                if ((tt == g_Tensor || tt == g_Parameter) && pop_mark(s, t) < 0) goto out_done;
+            }
+            for (Py_ssize_t j = 0; j < nout; j++) {
                 PyObject *pair = PyList_GetItem(outs, j);
                 PyObject *t = PyTuple_GetItem(pair, 1);
                 int wrote = 0;
@@ -1181,7 +1282,13 @@ static PyObject *handle(PyObject *self, PyObject *const *a, Py_ssize_t n) {
     if ((r = attr_true(s, n_all_steps)) != 1) goto to_slow;
     if ((r = attr_true(s, n_select_all)) != 1) goto to_slow;
     if ((r = attr_true(s, n_host_digest)) != 1) goto to_slow;
-    if ((r = attr_true(s, n_uninit)) != 0) goto to_slow;
+    {   /* memory marked uninitialised: the Python handler, unless no tensor argument is (a view of) it */
+        PyObject *marks = PyObject_GetAttr(s, n_uninit);
+        if (marks == NULL) goto error;
+        r = !PyDict_Check(marks) ? 1 : PyDict_Size(marks) ? marked_args(marks, args, kwargs) : 0;
+        Py_DECREF(marks);
+        if (r != 0) goto to_slow;
+    }
     {
         PyObject *policy = PyObject_GetAttr(s, n_policy);
         if (policy == NULL) goto error;
@@ -1322,7 +1429,7 @@ PyMODINIT_FUNC PyInit__fastcall(void) {
         {&n_shape, "shape"}, {&n_device, "device"}, {&n_cpu, "cpu"}, {&n_digest, "digest"}, {&n_stats, "stats"},
         {&n_values, "values"}, {&n_seen_attr, "_seen"}, {&n_ref, "ref"}, {&n_storage_offset, "storage_offset"},
         {&n_element_size, "element_size"}, {&n_dead_cb, "_dead"}, {&n_key, "key"}, {&n_tid, "tid"}, {&n_region, "region"},
-        {&n_dead, "dead"}, {&n_at, "_at"}, {&n_shared, "_shared"}, {&n_host_entry, "host_entry"},
+        {&n_dead, "dead"}, {&n_at, "_at"}, {&n_shared, "_shared"}, {&n_host_entry, "host_entry"}, {&n_base, "_base"},
         {&n_version, "_version"}, {&n_data_ptr, "data_ptr"}, {&n_is_cpu, "is_cpu"}, {&n_layout, "layout"},
         {&n_is_neg, "is_neg"}, {&n_is_contiguous, "is_contiguous"}, {&n_numel, "numel"}, {&n_cache, "_cache"},
         {&n_new, "__new__"}, {&n_n, "n"}, {&n_cache_entries, "CACHE_ENTRIES"}, {&n_dtype_names, "_DTYPE_NAMES"},

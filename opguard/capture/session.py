@@ -1141,16 +1141,20 @@ class Session:
                          into: list[dict[str, Any]]) -> bool:
         """The entries of a list of tensors (an optimizer step's ~100) made by one call into C
         (``_fastcall.entries``: what :meth:`entry` does for each, its Python frame left out), where
-        :meth:`entry` would go straight to its fast path: the host kernel digesting and no memory
-        marked uninitialised. False: not taken, or it raised (nothing added: :meth:`entry` per tensor
+        :meth:`entry` would go straight to its fast path: the host kernel digesting and none of the
+        tensors (a view of) memory marked uninitialised (§3.7; it says NotImplemented, having done
+        nothing, otherwise). False: not taken, or it raised (nothing added: :meth:`entry` per tensor
         then does the same work again, from the cache, and raises where it did)."""
         many = self.c_entries
-        if many is None or not self.host_digest or self._uninit or type(tensors) is not list or len(tensors) < 2:
+        if many is None or not self.host_digest or type(tensors) is not list or len(tensors) < 2:
             return False
         try:
-            into.extend(many(self, call, tensors, output, fresh))
+            made = many(self, call, tensors, output, fresh)
         except Exception:
             return False
+        if made is NotImplemented:
+            return False
+        into.extend(made)
         return True
 
     def maybe_flush(self) -> None:
