@@ -16,9 +16,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from opguard.compare.records import Record, Slot, arg_changes
+from opguard.compare.records import AUTOCAST_SLOT, Record, Slot, arg_changes
 from opguard.staging.fsutil import open_regular
 
+AUTOCAST_CHANGE = AUTOCAST_SLOT + ": "  # how arg_changes() starts a change of the autocast state
 OK = "ok"
 MISMATCH = "mismatch"
 UNALIGNED = "unaligned"
@@ -135,7 +136,10 @@ def dump_errors(pa: str, pb: str) -> dict[str, float]:
 def diff_pair(a: Record, b: Record) -> Diff:
     changes = arg_changes(a.args, b.args)
     other_fn = a.function != b.function
-    if not other_fn and not changes and [s.signature() for s in a.inputs] == [s.signature() for s in b.inputs] and \
+    # the autocast state alone (docs/compare.md §4): a call it does not cast computes the same under both
+    context_only = bool(changes) and all(c.startswith(AUTOCAST_CHANGE) for c in changes)
+    if not other_fn and (not changes or context_only) and \
+            [s.signature() for s in a.inputs] == [s.signature() for s in b.inputs] and \
             [s.signature() for s in a.outputs] == [s.signature() for s in b.outputs]:
         return _OK
     d = Diff(MISMATCH, args=changes, function=f"{a.function} -> {b.function}" if other_fn else None)

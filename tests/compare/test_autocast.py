@@ -2,7 +2,7 @@
 captures of one program under ``torch.autocast("cpu", dtype=...)`` with bfloat16 against float16
 compared with "outputs differ, inputs and arguments equal" at the first linear, which reads as a
 kernel computing differently from the same inputs (hand test: gradient accumulation under autocast).
-Now the first divergence says what changed."""
+Now the first divergence says what changed; a call autocast does not cast (equal outputs) is ok."""
 
 from __future__ import annotations
 
@@ -27,6 +27,7 @@ def _run(base: Path, dtype: object) -> float:
     with oc.capture(env={"OPGUARD_TRACE_OUTPUT_BASE": str(base)}):
         y = torch.tanh(x)  # before autocast: no autocast field
         with torch.autocast("cpu", dtype=dtype):  # type: ignore[arg-type]
+            y = torch.sigmoid(y)  # not cast by autocast: computes the same under both
             h = lin(y)
         loss = h.float().sum()
     return float(loss.detach())
@@ -45,6 +46,7 @@ def test_a_changed_autocast_type_is_named_as_the_difference(tmp_path: Path) -> N
     assert "no divergence: every pair's compared fields agree" in same.stderr
     p = run_compare(tmp_path / "a", tmp_path / "b", tmp_path / "v.pftrace")
     assert p.returncode == 0, p.stderr
+    assert "mismatch 3" in p.stderr, p.stderr  # linear, Tensor.float, Tensor.sum; sigmoid is ok
     first = next(line for line in p.stderr.splitlines() if "first divergence" in line)
     assert "torch.nn.functional.linear" in first, p.stderr
     assert "arguments differ: (autocast): 'cpu:bfloat16' -> 'cpu:float16'" in first, p.stderr
