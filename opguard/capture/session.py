@@ -48,19 +48,6 @@ _PLAIN = (_Tensor, _Parameter)
 _tf_enabled = torch._C._is_torch_function_enabled  # False inside DisableTorchFunction(Subclass)
 _any_autocast: Callable[[], bool] = getattr(torch._C, "_is_any_autocast_enabled", lambda: False)
 _AUTOCAST_DEVICES = ("cpu", "cuda", "xpu")
-
-
-def autocast_state() -> str | None:
-    """``"cpu:bfloat16"`` (``"cpu:bfloat16,cuda:float16"``, ...): the devices autocast is on for now
-    and the type it casts to there; None when it is on for none (docs/capture.md §3.1)."""
-    on = []
-    for dev in _AUTOCAST_DEVICES:
-        try:
-            if torch.is_autocast_enabled(dev):
-                on.append(f"{dev}:{records.dtype_name(torch.get_autocast_dtype(dev))}")
-        except (RuntimeError, TypeError, ValueError):  # a device type this build does not know
-            continue
-    return ",".join(on) or None
 _NO_SUBCLASS_TF = torch._C.DisableTorchFunctionSubclass  # tensor subclasses' __torch_function__ off
 _DTYPE_NAMES = {d: str(d).removeprefix("torch.") for d in (
     torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16, torch.int8,
@@ -145,6 +132,19 @@ def _functorch_wrapper(t: torch.Tensor) -> bool:
                     or "Batched" in str(torch._C._dispatch_keys(t)))
     except Exception:
         return False
+
+
+def autocast_state() -> str | None:
+    """``"cpu:bfloat16"`` (``"cpu:bfloat16,cuda:float16"``, ...): the devices autocast is on for now
+    and the type it casts to there; None when it is on for none (docs/capture.md §3.1)."""
+    on = []
+    for dev in _AUTOCAST_DEVICES:
+        try:
+            if torch.is_autocast_enabled(dev):
+                on.append(f"{dev}:{records.dtype_name(torch.get_autocast_dtype(dev))}")
+        except (RuntimeError, TypeError, ValueError):  # a device type this build does not know
+            continue
+    return ",".join(on) or None
 
 
 def _address(t: torch.Tensor) -> int | None:
