@@ -91,6 +91,33 @@ static int attr_is_none(PyObject *o, PyObject *name) {
     return r;
 }
 
+/* An exception leaving mode.handle(): its traceback without handle's own entry (the head, the outermost
+ * frame it has passed so far), so that a traceback through an op shows one frame of capture's
+ * (__torch_function__, which calls this) as it does on the C path (docs/capture.md §11). */
+static void drop_handle_frame(void) {
+    PyObject *type = NULL, *value = NULL, *tb = NULL;
+    PyErr_Fetch(&type, &value, &tb);
+    PyErr_NormalizeException(&type, &value, &tb);
+    if (tb != NULL && value != NULL) {
+        PyObject *frame = PyObject_GetAttrString(tb, "tb_frame");
+        PyObject *code = frame ? PyObject_GetAttrString(frame, "f_code") : NULL;
+        PyObject *name = code ? PyObject_GetAttrString(code, "co_name") : NULL;
+        PyObject *next = name ? PyObject_GetAttrString(tb, "tb_next") : NULL;
+        if (next != NULL && PyUnicode_Check(name) && PyUnicode_CompareWithASCIIString(name, "handle") == 0 &&
+            PyException_SetTraceback(value, next) == 0) {
+            Py_DECREF(tb);
+            tb = next == Py_None ? NULL : next;
+            Py_XINCREF(tb);
+        }
+        Py_XDECREF(next);
+        Py_XDECREF(name);
+        Py_XDECREF(code);
+        Py_XDECREF(frame);
+        PyErr_Clear(); /* a failed attribute read leaves the traceback as it was */
+    }
+    PyErr_Restore(type, value, tb);
+}
+
 /* The Python handler: mode.handle(caller, func, types, args, kwargs). */
 static PyObject *slow(PyObject *mode, PyObject *caller, PyObject *func, PyObject *types, PyObject *args,
                       PyObject *kwargs) {
@@ -98,6 +125,7 @@ static PyObject *slow(PyObject *mode, PyObject *caller, PyObject *func, PyObject
     if (h == NULL) return NULL;
     PyObject *r = PyObject_CallFunctionObjArgs(h, caller, func, types, args, kwargs, NULL);
     Py_DECREF(h);
+    if (r == NULL) drop_handle_frame();
     return r;
 }
 

@@ -147,16 +147,26 @@ def test_warnings_and_tracebacks_name_the_program_s_line(fastcall: Any, tmp_path
             warnings.simplefilter("always")
             for _ in range(3):
                 torch.nn.functional.softmax(x)  # a Python-level function warning with stacklevel (implicit dim)
-        try:
-            x.view(3, 3)
-        except RuntimeError as e:
-            tb = e.__traceback__
+        tracebacks = []
+        for fail in (lambda: x.view(3, 3),  # the C handler's record
+                     lambda: x @ torch.randn(3, 5),  # handed to the Python handler (its first call)
+                     lambda: torch.nn.functional.mse_loss(x, torch.randn(4, 4), reduction="bad")):  # nested
+            try:
+                fail()
+            except (RuntimeError, ValueError) as e:
+                tracebacks.append(e.__traceback__)
     assert caught and all(w.filename == __file__ for w in caught), [(w.filename, w.lineno) for w in caught]
-    files = []
-    while tb is not None:
-        files.append(tb.tb_frame.f_code.co_filename)
-        tb = tb.tb_next
-    assert files[0] == files[-1] == __file__  # the innermost frame reads as the program's line (frames.py)
+    assert len(tracebacks) == 3
+    for n, tb in enumerate(tracebacks):
+        files = []
+        while tb is not None:
+            files.append(tb.tb_frame.f_code.co_filename)
+            tb = tb.tb_next
+        assert files[0] == __file__
+        if n < 2:  # the innermost frame reads as the program's line (frames.py); mse_loss raises in torch
+            assert files[-1] == __file__
+        # one frame of capture's own (the mode's __torch_function__), not its Python handler's as well
+        assert sum(f.endswith("mode.py") and "capture" in f for f in files) == 1, files
 
 
 class _Counting(torch.Tensor):
