@@ -367,6 +367,8 @@ class CaptureMode(TorchFunctionMode):
             site = s.sites.call_site(caller) if s.select_all or s.selected(name, module, context) else None
             if site is not None:  # None: left out by a filter, or made by torch's tensor rebuilding (§3.5)
                 call = s.begin("function", name, site, where=(module, context))
+                if name not in s.arg_names.known:  # its first record (the C handler takes planned ones only)
+                    s.arg_names.note(name, func)
                 sd = _seeded_get(name)
                 if sd or (sd is None and records.seeded(name, func)):  # draws random numbers (§3.1)
                     call.rec["seeded"] = True

@@ -25,6 +25,7 @@ import orjson
 import torch
 
 from opguard.capture import dumps, hostkernel, records
+from opguard.capture.argnames import ArgNames
 from opguard.capture.callsite import Site, SiteTable
 from opguard.capture.digest import ALGORITHM, SAMPLE, Digester, finish, finish_moments, finish_stats, stats_row
 from opguard.capture.dumps import DumpPolicy, matches
@@ -344,6 +345,7 @@ class Session:
         # mode's re-entries and the collective wrappers (mode.py, collectives.py)
         self.inflight: list[tuple[Any, Any]] = []
         self.wrappers = Wrappers(options.collapse_wrappers and options.nested)  # §3.10
+        self.arg_names = ArgNames()  # positional parameter names of the recorded functions (§3.4)
         self.on_cap: list[Any] = []  # callables run when the cap stops interception
         self._failures: set[tuple[str, torch.dtype]] = set()  # summary failures already said on stderr
         self._stage_failures: dict[tuple[str, str], int] = {}  # (stage, exception type) -> count
@@ -1404,6 +1406,9 @@ class Session:
             self._write_atomic(CAPTURE_CALLSITES_FILE, self.sites.as_json(self.rank))
             if self.sources.add(self.sites.files):
                 self._write_atomic(CAPTURE_SOURCES_FILE, self.sources.as_json(self.rank))
+        if self.arg_names.dirty and not self.closed:  # new names: in meta.json now, a run killed later keeps them
+            self.arg_names.dirty = False
+            self._write_meta(final=False)
 
     def _write_meta(self, final: bool) -> None:
         meta = {
@@ -1421,6 +1426,9 @@ class Session:
             "fast_path_off": self.fast_path_off, "record_noise": self.options.record_noise}
         if self.wrappers.found:
             meta["collapsed_wrappers"] = self.wrappers.found
+        names = self.arg_names.as_json()
+        if names:
+            meta["arg_names"] = names
         self._write_atomic(CAPTURE_META_FILE, meta)
 
     def _failure_notes(self) -> list[str]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -33,6 +33,9 @@ class Arg:
     type: str
     value: str          # the canonical JSON text of the value, or "sha256:<digest>/<len>"
     digest: bool = False
+    # the parameter name of a positional slot ``arg<i>`` (meta.json ``arg_names``, docs/capture.md
+    # §3.4): shown, never compared
+    label: str | None = field(default=None, compare=False)
 
     def show(self) -> str:
         """The value as a user reads it: ``'tanh'``, ``1.5``, ``None``, or the digest of a long one."""
@@ -57,23 +60,29 @@ class Arg:
 AUTOCAST_SLOT = "(autocast)"  # a capture record's "autocast" field among its arguments (docs/compare.md §4)
 
 
-def capture_args(raw: Any) -> tuple[Arg, ...] | None:
-    """The ``args`` list of a schema-v2 op record (None when absent)."""
+def capture_args(raw: Any, names: Sequence[str | None] | None = None) -> tuple[Arg, ...] | None:
+    """The ``args`` list of a schema-v2 op record (None when absent); ``names``: the function's
+    positional parameter names (meta.json ``arg_names``), the labels of its ``arg<i>`` slots."""
     if raw is None:
         return None
     out = []
     for e in raw:
         slot, typ = str(e["slot"]), str(e["type"])
+        label = None
+        if names and slot.startswith("arg") and slot[3:].isdigit():
+            i = int(slot[3:])
+            label = names[i] if i < len(names) and isinstance(names[i], str) else None
         if "digest" in e:
-            out.append(Arg(slot, typ, f"sha256:{e['digest']}/{e.get('len')}", True))
+            out.append(Arg(slot, typ, f"sha256:{e['digest']}/{e.get('len')}", True, label))
         else:
-            out.append(Arg(slot, typ, json.dumps(e.get("value"), sort_keys=True, separators=(",", ":"))))
+            out.append(Arg(slot, typ, json.dumps(e.get("value"), sort_keys=True, separators=(",", ":")), False, label))
     return tuple(out)
 
 
 def arg_changes(a: tuple[Arg, ...] | None, b: tuple[Arg, ...] | None) -> list[str]:
     """What differs between two argument lists, per slot in B's order then A's:
-    ``approximate: 'none' -> 'tanh'``, ``alpha: absent -> 1.5``, ``dim: 1 -> absent``."""
+    ``approximate: 'none' -> 'tanh'``, ``alpha: absent -> 1.5``, ``dim: 1 -> absent``, and a
+    positional slot with its parameter's name: ``padding (arg4): [1] -> [2]``."""
     if a == b:
         return []
     by_a = {x.slot: x for x in a or ()}
@@ -87,7 +96,8 @@ def arg_changes(a: tuple[Arg, ...] | None, b: tuple[Arg, ...] | None) -> list[st
         sb = "absent" if xb is None else xb.show()
         if xa is not None and xb is not None and xa.type != xb.type:
             sa, sb = f"{sa} ({xa.type})", f"{sb} ({xb.type})"
-        out.append(f"{slot}: {sa} -> {sb}")
+        label = (xb.label if xb is not None else None) or (xa.label if xa is not None else None)
+        out.append(f"{label} ({slot}): {sa} -> {sb}" if label else f"{slot}: {sa} -> {sb}")
     return out
 
 
@@ -315,15 +325,17 @@ def capture_index_fields(obj: Mapping[str, Any], sites: SiteCache) -> tuple[Reco
     return site, anchor_text(site.function, pairs)
 
 
-def from_capture(obj: Mapping[str, Any], index: int, sites: SiteCache, where: str) -> Record:
-    """An ``op`` record of docs/capture.md §3.1 as a :class:`Record`."""
+def from_capture(obj: Mapping[str, Any], index: int, sites: SiteCache, where: str,
+                 arg_names: Mapping[str, Sequence[str | None]] | None = None) -> Record:
+    """An ``op`` record of docs/capture.md §3.1 as a :class:`Record`; ``arg_names``: the run's
+    meta.json ``arg_names`` (labels of positional argument slots)."""
     try:
         site = sites.get(obj)
         inputs = [capture_slot(s, f"in{i}") for i, s in enumerate(obj.get("inputs") or ())]
         outputs = [capture_slot(s, f"out{i}") for i, s in enumerate(obj.get("outputs") or ())]
         if obj.get("error"):
             outputs.append(Slot(name="error", digest=str(obj["error"])))
-        args = capture_args(obj.get("args"))
+        args = capture_args(obj.get("args"), arg_names.get(obj["fn"]) if arg_names else None)
         autocast = obj.get("autocast")
         if autocast is not None:  # the autocast state the call ran under, compared as an argument is
             args = (*(args or ()), Arg(AUTOCAST_SLOT, "str", json.dumps(str(autocast))))

@@ -86,6 +86,8 @@ class Stream:
     meta_notes: list[str] = field(default_factory=list)     # from meta.json (schema v2 ``notes``)
     # functions this run's capture collapsed (meta.json ``collapsed_wrappers``, docs/capture.md §3.10)
     collapsed: frozenset[str] = frozenset()
+    # positional parameter names of the recorded functions (meta.json ``arg_names``, docs/capture.md §3.4)
+    arg_names: dict[str, tuple[str | None, ...]] = field(default_factory=dict)
     # functions whose nested function-level records pass 1 leaves out (set by the engine for a stream pair)
     aside: frozenset[str] = frozenset()
     sites: SiteCache = field(init=False)
@@ -229,7 +231,7 @@ class Stream:
 
     def capture_record(self, obj: dict[str, Any], index: int, where: str) -> Record:
         """A capture op record as a :class:`Record`, with its tensor dumps."""
-        rec = from_capture(obj, index, self.sites, where)
+        rec = from_capture(obj, index, self.sites, where, self.arg_names)
         dumps = self.dumps
         if dumps and rec.seq in dumps:
             slots = dumps[rec.seq]
@@ -345,19 +347,22 @@ def _capture_streams(run: Run, ranks_dir: Path) -> None:
                               "opguard materialize (which writes regular files only)")
         rank = rank_or_none
         meta_notes: list[str] = []
-        collapsed = _check_meta(cap / CAPTURE_META_FILE, rank, meta_notes)
+        collapsed, arg_names = _check_meta(cap / CAPTURE_META_FILE, rank, meta_notes)
         segs = _segments([p for p in cap.iterdir() if p.is_file() and not p.is_symlink()]).get(str(trace), [])
         run.streams[(rank, CAPTURE_STREAM)] = Stream(KIND_CAPTURE, rank, CAPTURE_STREAM, segs,
                                                      _capture_sources(rank_dir), rank_dir,
-                                                     meta_notes=meta_notes, collapsed=collapsed)
+                                                     meta_notes=meta_notes, collapsed=collapsed,
+                                                     arg_names=arg_names)
 
 
-def _check_meta(path: Path, rank: int, notes: list[str]) -> frozenset[str]:
-    """Check a capture's meta.json; its notes into ``notes``; returns the functions it collapsed."""
+def _check_meta(path: Path, rank: int, notes: list[str]
+                ) -> tuple[frozenset[str], dict[str, tuple[str | None, ...]]]:
+    """Check a capture's meta.json; its notes into ``notes``; returns the functions it collapsed and
+    the positional parameter names of the recorded functions (``arg_names``, docs/capture.md §3.4)."""
     try:
         meta = read_json_nofollow(path, TABLE_MAX_BYTES)
     except FileNotFoundError:
-        return frozenset()
+        return frozenset(), {}
     except (OSError, ValueError, RecursionError) as e:
         raise ConfigError(f"{path} is unreadable ({e})", "restore the rank directory again") from None
     version = meta.get("version") if isinstance(meta, dict) else None
@@ -373,15 +378,20 @@ def _check_meta(path: Path, rank: int, notes: list[str]) -> frozenset[str]:
     if meta.get("rank") != rank:
         raise ConfigError(f"{path}: rank {meta.get('rank')!r} in the directory of rank {rank}",
                           "a rank directory must hold only its own rank's capture")
+    names = meta.get("arg_names")
+    arg_names = {fn[:512]: tuple(n[:256] if isinstance(n, str) else None for n in listed[:_MAX_POSITIONAL])
+                 for fn, listed in (names.items() if isinstance(names, dict) else ())
+                 if isinstance(fn, str) and isinstance(listed, list)}
     found = meta.get("collapsed_wrappers")
     if not isinstance(found, list):
-        return frozenset()
+        return frozenset(), arg_names
     return frozenset(w["fn"][:512] for w in found[:_MAX_COLLAPSED]
-                     if isinstance(w, dict) and isinstance(w.get("fn"), str))
+                     if isinstance(w, dict) and isinstance(w.get("fn"), str)), arg_names
 
 
 # capture collapses at most this many functions (capture/wrappers.py _MAX_WATCHED); a longer list is not its own
 _MAX_COLLAPSED = 4096
+_MAX_POSITIONAL = 256  # positional parameter names kept per function (meta.json arg_names)
 
 
 def _capture_sources(rank_dir: Path) -> SourceCopies:
