@@ -280,8 +280,8 @@ class Capture:
     def __init__(self, options: CaptureOptions, env: dict[str, str] | None = None) -> None:
         self.options = options
         self.session = Session(options, env)
-        self.mode = CaptureMode(self.session, tag_outputs if options.level == "dispatch" else None,
-                                frozenset(f"torch.distributed.distributed_c10d.{n}" for n in collectives()))
+        c10d = {f"torch.distributed.distributed_c10d.{n}": spec[0] for n, spec in collectives().items()}
+        self.mode = CaptureMode(self.session, tag_outputs if options.level == "dispatch" else None, c10d)
         self.aten = AtenMode(self.session) if options.level == "dispatch" else None
         self.modules = ModulePaths(self.session)
         self.collectives = Collectives(self.session)

@@ -9,9 +9,10 @@ only where it is certain for every call of the function:
   ``__wrapped__``), up to ``*args``; one that takes only ``(*args, **kwargs)`` and forwards them
   (``F.max_pool2d``, made by ``boolean_dispatch``) as a builtin of its ``__name__``;
 * a builtin (``torch.conv1d``, ``Tensor.transpose``, ``torch._C._nn.linear``): the positional
-  arguments of its ATen schemas (``aten::<__name__>``), a position named only when every overload
-  that has it agrees on the name; none from the position of a lone int-list argument on (Python
-  takes ``x.view(3, 3)`` and ``torch.randn(2, 3)`` as varargs there), none for a protocol method
+  arguments of its ATen schemas (``aten::<__name__>``; TorchScript's overloads on generic lists
+  and on Python values left out), a position named only when every overload that has it agrees
+  on the name; none from the position of a lone int-list argument on (Python takes
+  ``x.view(3, 3)`` and ``torch.randn(2, 3)`` as varargs there), none for a protocol method
   (``Tensor.__mul__``) or a function without schemas.
 """
 
@@ -56,8 +57,9 @@ def _schema_names(func: Any) -> list[str | None] | None:
     overloads = []
     for schema in schemas:
         pos = [(a.name, str(a.type)) for a in schema.arguments if not a.kwarg_only]
-        if any(_generic(t) for _, t in pos):
-            continue
+        if any(_generic(t) for _, t in pos) or not any(
+                "Tensor" in str(a.type) for a in (*schema.arguments, *schema.returns)):
+            continue  # TorchScript's overloads on Python values (aten::add.int(int a, int b)): not tensor ops
         overloads.append(pos)
     if not overloads:
         return None

@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import linecache
 import os
+import re
 import sys
 import sysconfig
 from collections.abc import Callable
@@ -51,13 +52,25 @@ def _library_dirs() -> tuple[str, ...]:
 
 
 _LIBRARY_DIRS = _library_dirs()
+
+
+def _file_kind(fn: str) -> int:
+    """_INTERNAL, _LIBRARY or _USER for code in the file ``fn``."""
+    if (fn.startswith(_INTERNAL_DIRS) or fn.startswith("<frozen ") or fn.startswith(_GENERATED)
+            or f"{os.sep}torchinductor_" in fn):
+        return _INTERNAL
+    if fn.startswith(_LIBRARY_DIRS) or any(p in fn for p in _LIBRARY_PARTS):
+        return _LIBRARY
+    return _USER
 # code PyTorch generates at run time (torch.compile's inductor output, FX graph modules): torch's own
 _GENERATED = (*(p for p in (os.environ.get("TORCHINDUCTOR_CACHE_DIR"),) if p), "<eval_with_key>")
 _LIBRARY_PARTS = (f"{os.sep}site-packages{os.sep}", f"{os.sep}dist-packages{os.sep}")
 # torch's code that rebuilds tensors from their serialized form: file -> prefix of its functions' names
 _REBUILDS = {os.path.join(_INTERNAL_DIRS[0], "_utils.py"): "_rebuild",
              os.path.join(_INTERNAL_DIRS[0], "multiprocessing", "reductions.py"): "rebuild_"}
-_USER, _LIBRARY, _INTERNAL, _REBUILD = 0, 1, 2, 3
+_USER, _LIBRARY, _INTERNAL, _REBUILD, _FX = 0, 1, 2, 3, 4  # _REBUILD and _FX are internal too
+_FX_FILE = "<eval_with_key>"  # an FX graph module's generated forward (torch.compile's eager backends, FX)
+_TRACE_FRAME = re.compile(r'^\s*File "(.+)", line (\d+), in (.+)$', re.MULTILINE)
 
 
 @dataclass(frozen=True)
@@ -102,19 +115,21 @@ class SiteTable:
         self._by_place: dict[tuple[str, int, str], Site] = {}
         # (id(code), instruction offset) of a user frame -> (code, its site): the line is not computed again
         self._at: dict[tuple[int, int], tuple[CodeType, Site]] = {}
+        # (id(code), line) of an FX graph module's generated forward -> (code, the program's site or None)
+        self._fx: dict[tuple[int, int], tuple[CodeType, Site | None]] = {}
         self.sites: list[Site] = []
         self.files: set[str] = set()
         self.dirty = False
 
     def _classify(self, code: CodeType) -> int:
         fn = code.co_filename
-        if (fn.startswith(_INTERNAL_DIRS) or fn.startswith("<frozen ") or fn.startswith(_GENERATED)
-                or f"{os.sep}torchinductor_" in fn):
+        kind = _file_kind(fn)
+        if kind == _INTERNAL:
+            if fn.startswith(_FX_FILE):
+                return _FX
             prefix = _REBUILDS.get(fn)
             return _REBUILD if prefix is not None and code.co_name.startswith(prefix) else _INTERNAL
-        if fn.startswith(_LIBRARY_DIRS) or any(p in fn for p in _LIBRARY_PARTS):
-            return _LIBRARY
-        return _USER
+        return kind
 
     def lookup(self, frame: FrameType | None) -> Site:
         """The site of the innermost user frame at or above ``frame`` (else the innermost library frame)."""
@@ -141,6 +156,10 @@ class SiteTable:
                 fallback = frame
             elif k == _REBUILD and rebuilds:
                 return None
+            elif k == _FX:
+                site = self._fx_site(frame)
+                if site is not None:
+                    return site
             frame = frame.f_back
         if frame is None:
             frame = fallback
@@ -160,17 +179,59 @@ class SiteTable:
             self._at[(id(code), frame.f_lasti)] = (code, site)
         return site
 
+    def _fx_site(self, frame: FrameType) -> Site | None:
+        """The program's line of a call made by an FX graph module's generated code: the innermost
+        program frame of the stack trace Dynamo recorded for the graph node (``node.meta
+        ["stack_trace"]``, found through the module's generated-line map as Dynamo itself does);
+        None without one (an FX module traced without stack traces: the walk goes on to the frame
+        that called the module). Without it a ``torch.compile(backend="eager")`` function's calls
+        all read as its ``def`` line, where Dynamo's frame stands."""
+        code = frame.f_code
+        key = (id(code), frame.f_lineno)
+        hit = self._fx.get(key)
+        if hit is not None:
+            return hit[1]
+        site = None
+        try:
+            gm = frame.f_locals.get("self")
+            lines = getattr(gm, "_lineno_map", None)
+            index = lines.get(frame.f_lineno - code.co_firstlineno) if isinstance(lines, dict) else None
+            if index is not None:
+                for i, node in enumerate(gm.graph.nodes):  # type: ignore[union-attr]
+                    if i == index:
+                        trace = node.meta.get("stack_trace")
+                        site = self._innermost(trace) if isinstance(trace, str) else None
+                        break
+        except Exception:  # a generated module of another shape: the walk goes on
+            site = None
+        if len(self._fx) >= _MAX_AT:
+            self._fx.clear()
+        self._fx[key] = (code, site)
+        return site
+
+    def _innermost(self, trace: str) -> Site | None:
+        """The site of the innermost program frame of a formatted stack trace (else library frame)."""
+        found: dict[int, tuple[str, int, str]] = {}
+        for m in _TRACE_FRAME.finditer(trace):
+            kind = _file_kind(m.group(1))
+            if kind in (_USER, _LIBRARY):
+                found[kind] = (m.group(1), int(m.group(2)), m.group(3).strip())
+        place = found.get(_USER) or found.get(_LIBRARY)
+        return self._place(*place) if place is not None else None
+
     def here(self, depth: int = 1) -> Site:
         return self.lookup(sys._getframe(depth + 1))
 
     def _new(self, code: CodeType, line: int) -> Site:
-        file = code.co_filename
-        text = linecache.getline(file, line).strip() if line else ""
-        place = (file, line, code.co_name)
+        return self._place(code.co_filename, line, code.co_name)
+
+    def _place(self, file: str, line: int, func: str) -> Site:
+        place = (file, line, func)
         known = self._by_place.get(place)  # same place reached through another code object
         if known is not None:
             return known
-        site = Site(len(self.sites), file, line, code.co_name, source_digest(text), text)
+        text = linecache.getline(file, line).strip() if line else ""
+        site = Site(len(self.sites), file, line, func, source_digest(text), text)
         self._by_place[place] = site
         self.sites.append(site)
         self.files.add(file)

@@ -44,6 +44,14 @@ def tag_outputs(call: Call, outs: list[tuple[str, torch.Tensor]]) -> None:
     """Remember on each output's autograd node which function record produced it."""
     rec = call.rec
     ident = {k: rec[k] for k in ("seq", "fn", "file", "line", "func", "src", "site", "module")}
+    with _no_torch_function():  # capture's own read: never the program's tensor subclass's __torch_function__
+        _tag(ident, outs)
+
+
+_no_torch_function = torch._C.DisableTorchFunction
+
+
+def _tag(ident: dict[str, Any], outs: list[tuple[str, torch.Tensor]]) -> None:
     for _slot, t in outs:
         try:  # reading grad_fn raises on a view made under no_grad of a tensor that requires grad
             gf: Any = t.grad_fn

@@ -32,6 +32,7 @@ reads would enter the traced graph).
 
 from __future__ import annotations
 
+import inspect
 import math
 import sys
 import types as pytypes
@@ -210,6 +211,16 @@ def writes_whole(name: str, args: Sequence[Any], kwargs: Mapping[str, Any]) -> b
     return name == "Tensor.__setitem__" and len(args) > 1 and _full_index(args[1])
 
 
+def _collective_writes(func: Any, params: tuple[str, ...], args: Sequence[Any], kwargs: Mapping[str, Any]
+                       ) -> frozenset[int]:
+    """ids of the tensors a collective ``func`` wrote, those in its ``params`` (each written whole)."""
+    try:
+        bound = inspect.signature(func).bind(*args, **kwargs)
+    except (TypeError, ValueError):
+        return frozenset()
+    return frozenset(id(t) for p in params for _, t in tensors_in(bound.arguments.get(p), p))
+
+
 def unwritten_inputs(ins: list[tuple[str, torch.Tensor]], entries: list[dict[str, Any]]) -> set[int]:
     """ids of the input tensors whose entries were uninitialised memory (§3.7) when the call began."""
     # (fewer entries than inputs when recording them failed part-way: those are not known as such)
@@ -230,11 +241,12 @@ def split_args(args: Sequence[Any], kwargs: Mapping[str, Any], method: bool
 
 class CaptureMode(TorchFunctionMode):
     def __init__(self, session: Session, on_output: Callable[[Call, Any], None] | None = None,
-                 c10d: frozenset[str] = frozenset()) -> None:
+                 c10d: Mapping[str, tuple[str, ...]] | None = None) -> None:
         super().__init__()
         # torch.distributed.distributed_c10d.<collective>: called by library code through the module's
-        # own globals, not through capture's torch.distributed wrappers (collectives.py)
-        self.c10d = c10d
+        # own globals, not through capture's torch.distributed wrappers (collectives.py) -> the
+        # parameters it writes (collectives.COLLECTIVES), each written whole
+        self.c10d: Mapping[str, tuple[str, ...]] = c10d or {}
         self.session = session
         self.nested = session.options.nested
         self.noise = session.options.record_noise
@@ -323,6 +335,8 @@ class CaptureMode(TorchFunctionMode):
         except Exception as err:
             s.failed("recording", err)
             return via(func, args, kwargs)
+        if name in self.c10d and inflight and inflight[-1][1] is _ANY:  # inside a recorded collective: its
+            return via(func, args, kwargs)  # implementation (a deprecated name forwarding to its successor)
         if name in _SPECIAL and args:
             if name == "Tensor.share_memory_":  # moves t to shared memory, which other processes write
                 result = via(func, args, kwargs)  # (computes nothing: not recorded)
@@ -426,6 +440,7 @@ class CaptureMode(TorchFunctionMode):
                 and s.drop(call)):  # a conversion that returned its input: it computed nothing (§3.5)
             return result
         try:
+            whole_ids: frozenset[int] = frozenset()  # tensors a library collective wrote (whole)
             if not s.cap_reached:
                 outs = [("out", result)] if type(result) is _Tensor else list(tensors_in(result, "out"))
                 if result is None and name == "Tensor.__setitem__" and args and isinstance(args[0], _Tensor):
@@ -435,6 +450,8 @@ class CaptureMode(TorchFunctionMode):
                         s.written_unrecorded([t for _, t in ins])  # written at wait(): read again at next use
                     else:
                         outs.extend(ins)  # every tensor argument after the call, as derived collectives
+                        if marked:  # what it wrote, it wrote whole: no longer uninitialised memory (§3.7)
+                            whole_ids = _collective_writes(func, self.c10d[name], args, kwargs)
                 elif ins:  # every argument the function wrote is an output (in-place ones, running statistics)
                     written = _written_get(name)
                     if written is None:
@@ -459,7 +476,7 @@ class CaptureMode(TorchFunctionMode):
                                 wrote = True
                                 break
                         if wrote and unwritten and id(t) in unwritten:
-                            whole = writes_whole(name, args, kwargs)
+                            whole = writes_whole(name, args, kwargs) or id(t) in whole_ids
                             put(entry(call, slot, t, True, fresh=True) if whole
                                 else entry(call, slot, t, True, uninitialized=True))
                             s.partly_written(t, whole)

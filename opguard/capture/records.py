@@ -10,6 +10,7 @@ import json
 import math
 import numbers
 import sys
+import types
 from typing import Any
 
 import orjson
@@ -146,7 +147,9 @@ _seeded: dict[str, bool] = {}
 def seeded(name: str, func: Any = None) -> bool:
     """Whether the call draws from a random-number generator (docs/capture.md §3.1 ``seeded``): an
     ATen operator named like the last part of ``name`` (every overload; ``func`` itself when it is
-    one) carries the tag ``nondeterministic_seeded``. Cached per name."""
+    one) carries the tag ``nondeterministic_seeded``, or ``func`` is a Python function with a
+    ``generator`` parameter (``torch.nn.init.kaiming_uniform_``, whose draws happen in a nested
+    call compare may leave out). Cached per name."""
     hit = _seeded.get(name)
     if hit is not None:
         return hit
@@ -161,6 +164,11 @@ def seeded(name: str, func: Any = None) -> bool:
                 found = any(tag in getattr(packet, o).tags for o in packet.overloads())
     except Exception:  # no such operator, no tags: not known to draw
         found = False
+    if not found and isinstance(func, types.FunctionType):
+        try:
+            found = "generator" in inspect.signature(func).parameters
+        except (TypeError, ValueError):
+            found = False
     _seeded[name] = found
     return found
 

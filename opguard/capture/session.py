@@ -1514,7 +1514,7 @@ class Session:
             self.note(f"torch.compile: {graphs} compiled graph(s) ran in this process; the calls inside compiled "
                       "code are not recorded one by one (capture is invisible to Dynamo): only the calls around "
                       "them and the library kernels compiled code calls (e.g. torch.addmm), at the compiled "
-                      "module's call site")
+                      "module's call site; a backend='eager' graph's calls are recorded, at their own lines")
 
     @property
     def path(self) -> Path:

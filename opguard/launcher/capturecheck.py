@@ -143,4 +143,9 @@ def start_line(env: Mapping[str, str], config: StagingConfig | None) -> str:
     if config is not None and config.enabled:
         where += f", published to {config.target}"
     dumps = f", tensor dumps at steps {o.dump_steps}" if str(o.dump_steps) != "none" else ""
-    return f"opguard-run: capture on: level {o.level}, digest {o.digest}, {selection}{dumps}; traces go to {where}"
+    line = f"opguard-run: capture on: level {o.level}, digest {o.digest}, {selection}{dumps}; traces go to {where}"
+    if o.level == "dispatch":  # the one level that changes results: say it before the program runs
+        line += ("\nopguard-run: note: under level dispatch PyTorch computes some operations differently (prod's "
+                 "backward, linalg.eigvalsh, svdvals, matrix norms, lstsq: the last bits can differ from an "
+                 "uncaptured run; docs/capture.md §4); the default level function does not")
+    return line

@@ -180,12 +180,13 @@ class _Counting(torch.Tensor):
         return super().__torch_function__(func, types, args, kwargs or {})
 
 
-@pytest.mark.parametrize("fast", ["1", "0"])
+@pytest.mark.parametrize("fast", ["1", "0", "dispatch"])
 def test_a_tensor_subclass_sees_only_the_program_s_calls(fast: str, tmp_path: Path) -> None:
     """Capture's own reads of a tensor subclass (its dtype, shape, data pointer, the digest) went
     through the subclass's ``__torch_function__``: a subclass that counts or logs its calls saw 9-11
     calls for one ``c * 2`` instead of 1 (found by the differential test of the C path; fails on the
-    old code)."""
+    old code). At ``level=dispatch`` it also saw capture's read of each output's ``grad_fn`` (hand
+    test: a unit-carrying subclass's call log doubled, and one that raised there was silenced)."""
     def program() -> list[str]:
         c = torch.arange(6.0).as_subclass(_Counting)
         _Counting.calls.clear()
@@ -195,7 +196,10 @@ def test_a_tensor_subclass_sees_only_the_program_s_calls(fast: str, tmp_path: Pa
         return list(_Counting.calls)
 
     plain = program()
-    with oc.capture(env={"OPGUARD_TRACE_OUTPUT_BASE": str(tmp_path), "OPGUARD_CAPTURE_FAST_CALL": fast}) as cap:
+    env = {"OPGUARD_TRACE_OUTPUT_BASE": str(tmp_path), "OPGUARD_CAPTURE_FAST_CALL": "1" if fast == "dispatch" else fast}
+    if fast == "dispatch":
+        env["OPGUARD_CAPTURE_LEVEL"] = "dispatch"
+    with oc.capture(env=env) as cap:
         got = program()
     assert got == plain
     recs = ops(read_trace(cap.path))
