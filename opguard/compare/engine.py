@@ -41,6 +41,7 @@ from opguard.compare.records import Record, RecordSite, Slot
 from opguard.compare.sources import KIND_CAPTURE, Run, Stream, open_run
 from opguard.compare.summary import (
     ARGS_DIFFER,
+    COLLECTIVE_DIFFERS,
     FUNCTION_DIFFERS_KIND,
     INHERITED,
     OUTPUTS_DIFFER,
@@ -556,7 +557,8 @@ def _run_rows(job: _Job, r0: int, r1: int, writer: ExportWriter) -> _Chunk:
                 pairs_out.write(json.dumps(line) + "\n")
             if d.status == MISMATCH:
                 kind = (FUNCTION_DIFFERS_KIND if d.function and d.inputs_equal else ARGS_DIFFER if d.args else
-                        (RANDOM_DIFFERS if ra.seeded or rb.seeded else OUTPUTS_DIFFER) if d.inputs_equal else
+                        (COLLECTIVE_DIFFERS if ra.collective or rb.collective else
+                         RANDOM_DIFFERS if ra.seeded or rb.seeded else OUTPUTS_DIFFER) if d.inputs_equal else
                         REORDERED if d.reordered else INHERITED)
                 fm = FirstMismatch(rid_a.decode("utf-8", "surrogatepass"), rid_b.decode("utf-8", "surrogatepass"),
                                    ra.function, _where(ra), d.fields, d.numeric, out.unresolved,

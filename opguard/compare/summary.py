@@ -15,6 +15,10 @@ OUTPUTS_DIFFER = "outputs differ, inputs and arguments equal"
 # the same for a call that draws random numbers (capture's "seeded"): the likely why
 RANDOM_DIFFERS = ("outputs differ, inputs and arguments equal, in a random draw (the generator's state differs: "
                   "another seed, or another number of draws before it)")
+# the same for a collective or point-to-point transfer: what this rank received differs, another
+# rank's data is the likely why
+COLLECTIVE_DIFFERS = ("outputs differ, inputs and arguments equal, in a collective (what this rank received differs: "
+                      "another rank sent or contributed other data; see the other ranks' first divergences)")
 INHERITED = "inputs differ (inherited)"
 REORDERED = "the same inputs in another order"
 FUNCTION_DIFFERS_KIND = "function differs"

@@ -4,6 +4,7 @@ filters and --show (docs/compare.md §4, §6), over synthetic v2 traces through 
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -501,3 +502,39 @@ for it in range(2):
     assert rank["pairs"] > 0 and set(rank["undetermined_a"]) == {"segment-differs"}, rank
     fd = rank["first_divergence"]
     assert fd["where"].endswith("swap.py:8") and fd["function"] == "torch.empty", fd
+
+
+def test_a_transfer_that_received_other_data_points_to_the_other_ranks(tmp_path: Path) -> None:
+    """A collective whose result differs while this rank's inputs and arguments are equal read as
+    'outputs differ, inputs and arguments equal' (a kernel computing differently, hand test: a
+    hand-written pipeline's recv, a library broadcast). What this rank received differs: the kind
+    says so and points to the other ranks. (One process: run B's trace is A's with the received
+    content changed, as another rank sending other data would.)"""
+    torch = pytest.importorskip("torch", reason="capture needs torch (pip install torch, CPU build)")
+    dist = pytest.importorskip("torch.distributed")
+    import opguard.capture as oc
+
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("torch.distributed with gloo is not available in this torch build")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        with oc.capture(env={"OPGUARD_TRACE_OUTPUT_BASE": str(tmp_path / "a")}):
+            buf = torch.ones(2)
+            dist.broadcast(buf, src=0)
+            (buf * 2).sum()
+    finally:
+        dist.destroy_process_group()
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+    trace = next((tmp_path / "b").rglob("trace.jsonl"))
+    lines = []
+    for line in trace.read_text().splitlines():
+        rec = json.loads(line)
+        if rec.get("fn") == "torch.distributed.broadcast":
+            rec["outputs"][0]["digest"] = "0123456789abcdef"
+        lines.append(json.dumps(rec))
+    trace.write_text("\n".join(lines) + "\n")
+    p = run_compare(tmp_path / "a", tmp_path / "b", tmp_path / "v.pftrace", extra=["--json", str(tmp_path / "s.json")])
+    assert p.returncode == 0, p.stderr
+    fd = json.loads((tmp_path / "s.json").read_text())["ranks"][0]["first_divergence"]
+    assert fd["function"] == "torch.distributed.broadcast" and fd["kind"].startswith(
+        "outputs differ, inputs and arguments equal, in a collective (what this rank received differs"), fd
