@@ -291,11 +291,22 @@ def encode(obj: dict[str, Any]) -> bytes:
     """One compact JSON line, UTF-8 (orjson). Records hold no non-finite float (statistics go
     through :func:`json_float`; orjson would write ``null``). A string that is not valid UTF-8 (a
     source path with surrogate escapes, an exception message) makes orjson refuse the record: such
-    a record is written by ``json`` with ASCII escapes, so it is kept, never dropped."""
+    a record is written by ``json`` with ASCII escapes, so it is kept, never dropped. A symbolic
+    size (``torch.SymInt``: a tensor torch.export or FakeTensor tracing made, whose shape holds a
+    symbol) is written as its text (``"s77"``): what the record held, not a lost record."""
     try:
         return orjson.dumps(obj, option=orjson.OPT_APPEND_NEWLINE)
     except TypeError:
-        return (json.dumps(obj, separators=(",", ":"), allow_nan=False) + "\n").encode()
+        return (json.dumps(obj, separators=(",", ":"), allow_nan=False, default=_symbolic) + "\n").encode()
+
+
+_SYMBOLIC = tuple(t for t in (getattr(torch, n, None) for n in ("SymInt", "SymFloat", "SymBool")) if t is not None)
+
+
+def _symbolic(v: Any) -> str:
+    if isinstance(v, _SYMBOLIC):
+        return str(v)
+    raise TypeError(f"Object of type {type(v).__name__} is not JSON serializable")
 
 
 def encode_strict(obj: dict[str, Any]) -> bytes:

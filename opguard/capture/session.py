@@ -119,6 +119,7 @@ def _element_set(sizes: tuple[int, ...], strides: tuple[int, ...]) -> tuple[tupl
 
 
 FUNCTORCH_REASON = "torch.func wrapper: no storage of its own"
+ZERO_REASON = "efficient zero tensor: no memory (every element is zero)"
 _is_functorch_wrapped = getattr(getattr(torch._C, "_functorch", None), "is_functorch_wrapped_tensor", None)
 _is_batched = getattr(getattr(torch._C, "_functorch", None), "is_batchedtensor", None)
 
@@ -131,6 +132,16 @@ def _functorch_wrapper(t: torch.Tensor) -> bool:
                     or (_is_batched is not None and _is_batched(t))
                     # the legacy batching's dispatch key, not in torch._C.DispatchKey: read from its printed set
                     or "Batched" in str(torch._C._dispatch_keys(t)))
+    except Exception:
+        return False
+
+
+def _zero_tensor(t: torch.Tensor) -> bool:
+    """An efficient zero tensor (forward-mode AD's zero tangent, ``torch._efficientzerotensor``): a
+    shape without memory (its data pointer is null)."""
+    try:
+        with torch._C.DisableTorchFunction():
+            return bool(t._is_zerotensor())
     except Exception:
         return False
 
@@ -1070,9 +1081,10 @@ class Session:
         n = self._stage_failures.get(key, 0)
         self._stage_failures[key] = n + 1
         if n == 0:
+            what = ("the records that failed were dropped (meta.json 'dropped' counts them)" if stage == "writing"
+                    else "affected records carry 'capture_error'")
             print(f"opguard capture: rank {self.rank}: capture's own {stage} failed ({msg}); the program "
-                  "continues unchanged, affected records carry 'capture_error' (said once per stage and kind)",
-                  file=sys.stderr, flush=True)
+                  f"continues unchanged, {what} (said once per stage and kind)", file=sys.stderr, flush=True)
 
     def _summary_failed(self, err: Exception, t: torch.Tensor) -> str:
         """The entry's ``reason`` when digesting/summarising a tensor raised; said on stderr once per
@@ -1081,6 +1093,10 @@ class Session:
             self.note("tensors inside torch.func transforms (vmap, grad, jacrev, ...) are wrappers without storage "
                       "of their own: their entries have no digest or statistics (reason 'torch.func wrapper')")
             return FUNCTORCH_REASON
+        if _zero_tensor(t):
+            self.note("efficient zero tensors (forward-mode AD's zero tangents, level=dispatch) hold no memory: their "
+                      "entries have no digest or statistics (reason 'efficient zero tensor')")
+            return ZERO_REASON
         reason = f"summary failed: {type(err).__name__}: {err}"[:300]
         key = (type(err).__name__, t.dtype)
         if key not in self._failures:
@@ -1433,7 +1449,8 @@ class Session:
 
     def _failure_notes(self) -> list[str]:
         return [f"capture's own {stage} failed {n} time(s) with {kind}; the program ran unchanged "
-                "(records carry capture_error)" for (stage, kind), n in sorted(self._stage_failures.items())]
+                + ("(those records were dropped: 'dropped')" if stage == "writing" else "(records carry capture_error)")
+                for (stage, kind), n in sorted(self._stage_failures.items())]
 
     def note(self, text: str, *, warn: bool = False) -> None:
         """A human-readable note in this rank's meta (and on stderr with ``warn``)."""

@@ -280,6 +280,49 @@ def test_calls_of_an_eager_compiled_graph_have_their_own_lines(out_env: dict[str
                    ("Tensor.cos", first + 2), ("Tensor.add", first + 2)], got
 
 
+def test_torch_export_tracing_is_not_recorded_and_symbolic_shapes_are_written(
+        out_env: dict[str, str], capfd: pytest.CaptureFixture[str]) -> None:
+    """``torch.export.export(..., dynamic_shapes=...)`` traces the model on FakeTensors with symbolic
+    sizes: its calls were recorded, and the records whose shapes held a ``SymInt`` could not be
+    written (dropped, 'capture's own writing failed' on stderr; compare then read a crash) (hand
+    test). While torch.export traces (``torch.compiler``'s compiling flag) capture records nothing;
+    a symbolic size reaching a record anyway (export's fake inputs) is written as its text."""
+    class Flat(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x.flatten(1).sum(1)
+
+    x = torch.randn(4, 3, 2)
+    with oc.capture(env=out_env) as cap:
+        ep = torch.export.export(Flat(), (x,), dynamic_shapes={"x": {0: torch.export.Dim("b")}})
+        got = ep.module()(torch.randn(6, 3, 2))
+    assert got.shape == (6,)
+    assert "failed" not in capfd.readouterr().err
+    meta = json.loads((cap.path / "meta.json").read_text())
+    assert meta["dropped"] == 0 and not any("failed" in n for n in meta["notes"]), meta
+    fns = [r["fn"] for r in ops(read_trace(cap.path))]
+    assert "Tensor.flatten" not in fns and "Tensor.sum" not in fns, fns  # the traced model: not recorded
+
+
+def test_efficient_zero_tensors_are_named_not_failures(out_env: dict[str, str],
+                                                       capfd: pytest.CaptureFixture[str]) -> None:
+    """Forward-mode AD gives parameters without a tangent an efficient zero tensor (no memory): at
+    ``level=dispatch`` summarising one said 'summarising a float32 tensor on cpu failed (... null
+    data pointer)' (hand test). Its entries say what it is instead, and meta notes it once."""
+    import torch.autograd.forward_ad as fwAD
+
+    lin = torch.nn.Linear(3, 2)
+    x = torch.randn(4, 3)
+    with oc.capture(env=out_env, level="dispatch") as cap, fwAD.dual_level():
+        y = lin(fwAD.make_dual(x, torch.ones_like(x)))
+        fwAD.unpack_dual(y).tangent.sum()
+    assert "failed" not in capfd.readouterr().err
+    reasons = [e.get("reason") for r in ops(read_trace(cap.path)) for e in r["inputs"] + r["outputs"]]
+    assert "efficient zero tensor: no memory (every element is zero)" in reasons
+    assert not any(r and r.startswith("summary failed") for r in reasons)
+    meta = json.loads((cap.path / "meta.json").read_text())
+    assert any("efficient zero tensors" in n for n in meta["notes"])
+
+
 def test_public_names_of_fft_linalg_and_special_functions(out_env: dict[str, str]) -> None:
     """The builtins' own names are ``fft_rfft``, ``linalg_vector_norm``, ``special_erf``: records
     named ``torch.fft.fft_rfft``, and OPGUARD_CAPTURE_FUNCTIONS=torch.fft.rfft matched nothing."""
