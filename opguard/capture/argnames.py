@@ -23,12 +23,16 @@ from typing import Any
 
 import torch
 
+from opguard.capture import customops
+
 # at most this many functions are looked up per rank (functions made per call could pile up)
 MAX_FUNCTIONS = 4096
 
 
 def positional_names(func: Any) -> list[str | None] | None:
     """The names of ``func``'s positional arguments by position (``None`` where unknown), or None."""
+    if isinstance(func, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):  # the program's operator
+        return customops.positional_names(func)
     try:
         sig = inspect.signature(func)
     except (TypeError, ValueError):  # a builtin: its ATen schemas

@@ -17,7 +17,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from opguard.capture import records
 from opguard.capture.frames import standin
-from opguard.capture.mode import _split, tensors_in
+from opguard.capture.mode import _grew, _split, tensors_in
 from opguard.capture.session import Call, Session
 
 META_KEY = "opguard"
@@ -140,8 +140,12 @@ class AtenMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
                             held.add(id(t))
                 s.busy += 1
                 try:
-                    if name in records.UNINITIALIZED_FNS:
+                    if name in records.UNINITIALIZED_FNS or (name in records.GROWS_FNS and _grew(rec["inputs"], outs)):
                         s.outputs(call, outs, uninitialized=True)
+                    elif name in records.PARTLY_WRITTEN_OUTPUTS:  # an output the kernel writes in part only
+                        part = records.PARTLY_WRITTEN_OUTPUTS[name]
+                        s.outputs(call, [o for i, o in enumerate(outs) if i not in part])
+                        s.outputs(call, [o for i, o in enumerate(outs) if i in part], uninitialized=True)
                     elif (_returns_view(func) and s._uninit
                           and any(e.get("uninitialized") for e in rec["inputs"])):
                         # a view of uninitialised memory (aten::select of a torch.empty buffer): the view

@@ -43,6 +43,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from opguard.capture import records
+from opguard.capture.customops import program_op
 from opguard.capture.frames import register, standin
 from opguard.capture.session import ANY as _ANY
 from opguard.capture.session import Call, Session
@@ -322,8 +323,8 @@ class CaptureMode(TorchFunctionMode):
             if isinstance(func, _OPS):
                 quiet.profiler_op(func)
             return via(func, args, kwargs)
-        if isinstance(func, _OPS):  # torch.ops (the dispatch level's): not recorded, but what it wrote is seen
-            result = via(func, args, kwargs)
+        if isinstance(func, _OPS) and program_op(func) is None:  # torch.ops (the dispatch level's): not recorded,
+            result = via(func, args, kwargs)  # but what it wrote is seen; the program's own operators are recorded
             try:
                 positions, names = records.op_writes(func)
                 if positions or names:

@@ -16,6 +16,8 @@ from typing import Any
 import orjson
 import torch
 
+from opguard.capture.customops import program_op
+
 SCHEMA = "opguard-capture"
 VERSION = 2
 
@@ -76,7 +78,14 @@ SHARES_MEMORY_FNS = frozenset({"Tensor.numpy", "Tensor.__array__", "Tensor.__dlp
 
 # In-place resizes: when they grow a tensor its new elements are uninitialised memory, so the output
 # is recorded as uninitialised (docs/capture.md §3.7).
-GROWS_FNS = frozenset({"Tensor.resize_", "Tensor.resize_as_"})
+GROWS_FNS = frozenset({"Tensor.resize_", "Tensor.resize_as_", "aten::resize_.default", "aten::resize_as_.default"})
+
+# Dispatch-level ops with an output their CPU kernel writes only in part (the rest is whatever the
+# allocator left): those outputs (by position) are recorded as uninitialised (docs/capture.md §3.7).
+# _ctc_loss's log_alpha: only the cells of each sequence's lattice are written.
+PARTLY_WRITTEN_OUTPUTS: dict[str, frozenset[int]] = {
+    "aten::_ctc_loss.default": frozenset({1}), "aten::_ctc_loss.Tensor": frozenset({1}),
+}
 
 _names: dict[Any, tuple[str, int]] = {}
 
@@ -92,7 +101,8 @@ def function_name(func: Any) -> tuple[str, int]:
         hit = None
     if hit is not None:
         return hit
-    name, meta = _compute_name(func)
+    own = program_op(func) if isinstance(func, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)) else None
+    name, meta = (own, RECORD) if own is not None else _compute_name(func)
     try:
         _names[func] = (name, meta)
     except TypeError:
@@ -120,6 +130,11 @@ def written_slots(name: str, func: Any = None) -> frozenset[str]:
         return hit
     owner, _, op = name.partition(".")
     slots: set[str] = set()
+    if isinstance(func, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):  # the program's operator (§3.1)
+        positions, names = op_writes(func)
+        out = frozenset({f"arg{i}" for i in positions} | names)
+        _written[name] = out
+        return out
     try:
         packet = getattr(torch.ops.aten, op) if owner in ("torch", "Tensor") and "." not in op else None
         for overload in packet.overloads() if packet is not None else ():

@@ -323,6 +323,76 @@ def test_efficient_zero_tensors_are_named_not_failures(out_env: dict[str, str],
     assert any("efficient zero tensors" in n for n in meta["notes"])
 
 
+@torch.library.custom_op("opguard_test::scale", mutates_args=())
+def _scale_op(x: torch.Tensor, k: float) -> torch.Tensor:
+    return torch.tanh(x) * k  # the implementation: the operator's kernel, not recorded
+
+
+@_scale_op.register_fake
+def _(x: torch.Tensor, k: float) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("opguard_test::ema_into", mutates_args=("out",))
+def _ema_into(out: torch.Tensor, x: torch.Tensor, decay: float) -> None:
+    out.mul_(decay).add_(x, alpha=1 - decay)
+
+
+def test_the_program_s_custom_operators_are_recorded(tmp_path: Path) -> None:
+    """An operator the program defines with ``torch.library.custom_op`` is a ``torch.ops`` call, which
+    the function level does not record: its call left no record (nor did its implementation's calls),
+    and an edit of its argument was named downstream or not at all (hand test). It is recorded as a
+    builtin: named ``torch.ops.<namespace>.<name>``, its arguments by position with their schema
+    names, what it mutates as outputs; PyTorch's own operators made the same way stay unrecorded."""
+    from tests.compare.helpers import run_compare
+
+    def run(base: Path, k: float) -> Any:
+        torch.manual_seed(0)
+        x = torch.randn(4)
+        with oc.capture(env={"OPGUARD_TRACE_OUTPUT_BASE": str(base)}) as cap:
+            acc = torch.zeros(4)
+            y = _scale_op(x, k)
+            _ema_into(acc, y, 0.9)
+            acc.sum()
+        return cap
+
+    cap = run(tmp_path / "a", 2.0)
+    run(tmp_path / "b", 3.0)
+    recs = ops(read_trace(cap.path))
+    by_fn = {r["fn"]: r for r in recs}
+    assert "torch.tanh" not in by_fn  # the kernel's calls
+    scale = by_fn["torch.ops.opguard_test.scale"]
+    assert scale["file"] == __file__ and scale["args"] == [{"slot": "arg1", "type": "float", "value": 2.0}]
+    ema = by_fn["torch.ops.opguard_test.ema_into"]
+    assert [e["slot"] for e in ema["outputs"]] == ["arg0"]  # mutates_args: what it wrote
+    assert ema["outputs"][0]["digest"] == by_fn["Tensor.sum"]["inputs"][0]["digest"]
+    meta = json.loads((cap.path / "meta.json").read_text())
+    assert meta["arg_names"]["torch.ops.opguard_test.scale"] == ["x", "k"]
+    p = run_compare(tmp_path / "a", tmp_path / "b", tmp_path / "v.pftrace")
+    first = next(line for line in p.stderr.splitlines() if "first divergence" in line)
+    assert "torch.ops.opguard_test.scale" in first and "k (arg1): 2.0 -> 3.0" in first, p.stderr
+
+
+def test_dispatch_level_unwritten_memory_of_a_growing_resize_and_ctc_s_lattice(out_env: dict[str, str]) -> None:
+    """At ``level=dispatch`` two identical runs compared with false introduced divergences (hand
+    tests): ``aten::resize_`` growing a buffer (its new elements are whatever the allocator left;
+    the function level marked it, the aten level did not) and ``aten::_ctc_loss``'s second output,
+    ``log_alpha``, which the CPU kernel writes only in part. Both are uninitialised memory now."""
+    torch.manual_seed(0)
+    log_probs = torch.randn(6, 2, 5).log_softmax(2)
+    targets = torch.tensor([[1, 2], [3, 1]])
+    with oc.capture(env=out_env, level="dispatch") as cap:
+        buf = torch.zeros(2)
+        buf.resize_(64)
+        torch.nn.functional.ctc_loss(log_probs, targets, torch.tensor([6, 5]), torch.tensor([2, 2]))
+    aten = [r for r in ops(read_trace(cap.path)) if r["api"] == "aten"]
+    resize = next(r for r in aten if r["fn"] == "aten::resize_.default")
+    assert all(e.get("uninitialized") for e in resize["outputs"]), resize["outputs"]
+    ctc = next(r for r in aten if r["fn"].startswith("aten::_ctc_loss"))
+    assert [bool(e.get("uninitialized")) for e in ctc["outputs"]] == [False, True], ctc["outputs"]
+    assert ctc["outputs"][0]["digest"] is not None
+
+
 def test_public_names_of_fft_linalg_and_special_functions(out_env: dict[str, str]) -> None:
     """The builtins' own names are ``fft_rfft``, ``linalg_vector_norm``, ``special_erf``: records
     named ``torch.fft.fft_rfft``, and OPGUARD_CAPTURE_FUNCTIONS=torch.fft.rfft matched nothing."""
