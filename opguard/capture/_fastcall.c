@@ -1264,6 +1264,9 @@ static PyObject *handle(PyObject *self, PyObject *const *a, Py_ssize_t n) {
 
     if (!PyTuple_Check(args) || (kwargs != Py_None && !PyDict_Check(kwargs)) || caller == Py_None)
         return slow(mode, caller, func, types, args, kwargs);
+    /* an out= argument is not read: the Python handler records it without its content (mode.py) */
+    if (kwargs != Py_None && PyDict_GetItemString(kwargs, "out") != NULL)
+        return slow(mode, caller, func, types, args, kwargs);
     s = PyObject_GetAttr(mode, n_session);
     if (s == NULL) return NULL;
     /* the checks of CaptureMode.handle that send a call elsewhere, and this path's own conditions */

@@ -13,6 +13,7 @@ import sys
 import threading
 import weakref
 from collections.abc import Iterator
+from types import FrameType
 from typing import Any
 
 import torch
@@ -127,6 +128,9 @@ FAST_PATH_MODULES = (torch.nn.TransformerEncoderLayer, torch.nn.MultiheadAttenti
 _DDP = torch.nn.parallel.DistributedDataParallel  # broadcasts buffers in C++ before its module runs
 
 
+_MAX_HOPS = 512  # frames walked up looking for a running module's hook frame
+
+
 class ModulePaths:
     """Forward pre-/post-hooks on every module: the path of the innermost running module."""
 
@@ -139,6 +143,9 @@ class ModulePaths:
         self.changes = 0  # paths assigned or changed (optimizer parameter names are rebuilt on a change)
         self.by_class: dict[str, list[weakref.ref[torch.nn.Module]]] = {}  # modules named by their class
         self.running: list[torch.nn.Module] = []
+        # the frame that ran each running module's hooks (PyTorch's Module._call_impl): alive while
+        # its forward runs, so a module whose forward ended without its post-hook is found (unwind)
+        self.frames: list[FrameType] = []
         self.handles: list[Any] = []
         # module hooks are global, capture (its function mode) is the starting thread's: another
         # thread's forward must not push onto this thread's module stack
@@ -209,6 +216,9 @@ class ModulePaths:
     def _pre(self, m: torch.nn.Module, args: Any) -> None:
         if _compiling() or threading.get_ident() != self.thread:  # Dynamo: invisible to it; other threads
             return
+        caller = sys._getframe(1)
+        if self.frames:
+            self._unwind(caller)
         if self.session.quiet is not None and self.optimizer_steps is not None:
             self.optimizer_steps.settle()
         try:
@@ -222,12 +232,29 @@ class ModulePaths:
             p = type(m).__name__
         self.session.modules.append(p)
         self.running.append(m)
+        self.frames.append(caller)
+
+    def _unwind(self, caller: FrameType) -> None:
+        """Drop the running modules whose forward is over: PyTorch runs the post-hooks of a forward
+        that raised an ``Exception``, not of one left by a ``KeyboardInterrupt`` or ``SystemExit``
+        (a Ctrl-C the program catches): every later record kept that module's path. A running
+        module's hook frame is a caller of ``caller`` while its forward runs."""
+        while self.frames:
+            top, f, hops = self.frames[-1], caller.f_back, 0
+            while f is not None and f is not top and hops < _MAX_HOPS:
+                f, hops = f.f_back, hops + 1
+            if f is not None:  # found it (or too deep to tell: never drop a module that may be running)
+                return
+            self.frames.pop()
+            self.running.pop()
+            self.session.modules.pop()
 
     def _post(self, m: torch.nn.Module, _args: Any, _out: Any) -> None:
         if _compiling() or threading.get_ident() != self.thread:
             return
         if self.running and self.running[-1] is m:
             self.running.pop()
+            self.frames.pop()
             self.session.modules.pop()
 
     def _ddp_buffers(self, ddp: Any, m: torch.nn.Module) -> None:

@@ -232,6 +232,19 @@ def _collective_writes(func: Any, params: tuple[str, ...], args: Sequence[Any], 
     return frozenset(id(t) for p in params for _, t in tensors_in(bound.arguments.get(p), p))
 
 
+OUT_REASON = "out= argument: overwritten by the call, its content before it is not read"
+
+
+def _out_entry(s: Session, call: Call, slot: str, t: torch.Tensor) -> dict[str, Any]:
+    """The input entry of an ``out=`` tensor: its shape and type, not its content, which the call
+    overwrites without reading (compiled code's ``extern_kernels.addmm(..., out=buf)`` passes a
+    buffer it allocated uninitialised: digested, identical runs differed there). Marked
+    ``uninitialized`` so that compare never compares it (§3.7)."""
+    e = s.entry(call, slot, t, False, uninitialized=True)
+    e["reason"] = OUT_REASON
+    return e
+
+
 def unwritten_inputs(ins: list[tuple[str, torch.Tensor]], entries: list[dict[str, Any]]) -> set[int]:
     """ids of the input tensors whose entries were uninitialised memory (§3.7) when the call began."""
     # (fewer entries than inputs when recording them failed part-way: those are not known as such)
@@ -404,6 +417,9 @@ class CaptureMode(TorchFunctionMode):
                 entry, put = s.entry, call.rec["inputs"].append  # s.inputs(call, ins), one call less
                 fast = s._entry_fast if s.host_digest and not s._uninit else None  # what entry() tries first
                 for slot, t in ins:
+                    if slot == "out" or slot.startswith("out."):  # overwritten, never read: not an input's content
+                        put(_out_entry(s, call, slot, t))
+                        continue
                     ent = None
                     if fast is not None:
                         try:

@@ -296,8 +296,11 @@ class Session:
         self.rank = self.who.rank
         self.dir = rank_dir(self.rank, environ) / CAPTURE_DIRNAME
         if (self.dir / CAPTURE_META_FILE).exists():
-            raise ConfigError(f"{self.dir} already holds a capture (meta.json): traces of two runs would mix",
-                              "use a new OPGUARD_TRACE_OUTPUT_BASE (or run ID) for every captured run")
+            raise ConfigError(f"{self.dir} already holds a capture (meta.json): traces of two runs, or of two "
+                              f"processes that both resolved to rank {self.rank}, would mix",
+                              "use a new OPGUARD_TRACE_OUTPUT_BASE (or run ID) for every captured run; within one run, "
+                              "give every captured process its own rank (RANK in its environment before capture "
+                              "starts; docs/capture.md §1)")
         self.env = environ
         self.digester = Digester(options.digest)
         # CPU tensors: the native one-pass kernel (hostkernel.py), else the same PyTorch ops as on accelerators

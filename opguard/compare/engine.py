@@ -849,7 +849,20 @@ def check_paired(summary: Summary) -> None:
         raise ConfigError(f"nothing was paired within the selection {summary.filters} ({where})",
                           "widen --step/--function, or drop them to see every operation")
     if ops_a == 0 or ops_b == 0:
-        empty = " and ".join(s for s, n in (("A", ops_a), ("B", ops_b)) if n == 0)
+        sides = [side for side, n in (("A", ops_a), ("B", ops_b)) if n == 0]
+        empty = " and ".join(sides)
+        # a capture that never ended (a signal, os._exit: capture's exit handler did not run) lost the
+        # records it still held (up to its buffer): "capture was not on" would send the user the wrong way
+        unended = [side for side in sides if any(n.startswith(f"run {side}: no end record")
+                                                 for st in summary.streams.values() for n in st.notes)]
+        if unended:
+            which = " and ".join(unended)
+            raise ConfigError(
+                f"nothing was paired: run {empty} recorded no operations, and the capture of run {which} did not "
+                f"end: the process ended without capture's exit handler (a signal, os._exit) and lost the records "
+                f"it still held ({where})",
+                "let the program end normally (return or sys.exit), or lower OPGUARD_CAPTURE_BUFFER so records are "
+                "written sooner (docs/capture.md §10)")
         raise ConfigError(f"nothing was paired: run {empty} recorded no operations ({where})",
                           f"check that capture was on for run {empty} (opguard-run --capture) and that the "
                           "program reached the traced code")

@@ -3,6 +3,7 @@ dumps, the size cap, refusals."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 from pathlib import Path
@@ -391,6 +392,68 @@ def test_dispatch_level_unwritten_memory_of_a_growing_resize_and_ctc_s_lattice(o
     ctc = next(r for r in aten if r["fn"].startswith("aten::_ctc_loss"))
     assert [bool(e.get("uninitialized")) for e in ctc["outputs"]] == [False, True], ctc["outputs"]
     assert ctc["outputs"][0]["digest"] is not None
+
+
+@pytest.mark.parametrize("fast", ["1", "0"])
+def test_an_out_argument_s_content_is_not_an_input(tmp_path: Path, fast: str) -> None:
+    """Compiled code (inductor) calls ``extern_kernels.addmm(..., out=buf)`` with a buffer it
+    allocated uninitialised where capture does not see it: the ``out`` input was digested, and
+    identical runs compared with mismatches there ('inputs differ (inherited): inputs.out.digest',
+    hand test). An ``out=`` tensor's content before the call is not read: its input entry has no
+    digest and is never compared; its output entry is the result."""
+    from tests.compare.helpers import run_compare
+
+    def run(base: Path, garbage: float) -> Any:
+        torch.manual_seed(0)
+        x, w = torch.randn(3, 4), torch.randn(4, 2)
+        buf = torch.full((3, 2), garbage)  # before capture: what the allocator left, as capture sees it
+        env = {"OPGUARD_TRACE_OUTPUT_BASE": str(base), "OPGUARD_CAPTURE_FAST_CALL": fast}
+        with oc.capture(env=env) as cap:
+            for _ in range(2):  # the second call: the C handler's, when it takes planned functions
+                torch.mm(x, w, out=buf)
+            buf.sum()
+        return cap
+
+    cap = run(tmp_path / "a", 1.0)
+    run(tmp_path / "b", 7.0)
+    mm = [r for r in ops(read_trace(cap.path)) if r["fn"] == "torch.mm"]
+    for r in mm:
+        out_in = next(e for e in r["inputs"] if e["slot"] == "out")
+        assert out_in["digest"] is None and out_in["uninitialized"] is True
+        assert out_in["reason"].startswith("out= argument")
+        assert r["outputs"][0]["digest"] is not None and not r["outputs"][0].get("uninitialized")
+    p = run_compare(tmp_path / "a", tmp_path / "b", tmp_path / "v.pftrace")
+    assert p.returncode == 0 and "no divergence: every pair's compared fields agree" in p.stderr, p.stderr
+
+
+class _Interrupted(torch.nn.Module):
+    def __init__(self, exc: type[BaseException]) -> None:
+        super().__init__()
+        self.exc = exc
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        torch.relu(x)
+        raise self.exc  # what a Ctrl-C arriving in a forward looks like
+
+
+@pytest.mark.parametrize("exc", [KeyboardInterrupt, SystemExit])
+def test_a_forward_left_by_keyboard_interrupt_leaves_the_module_path(out_env: dict[str, str],
+                                                                      exc: type[BaseException]) -> None:
+    """PyTorch runs a module's forward post-hooks when its forward raises an ``Exception``, not a
+    ``KeyboardInterrupt`` or ``SystemExit``: a program catching a Ctrl-C and going on had every
+    later record under the interrupted module's path (hand test: 16 of 30 records of a training
+    step under ``Sequential.0``). The next module call finds the interrupted forward gone."""
+    net = torch.nn.Sequential(torch.nn.Linear(4, 4), _Interrupted(exc))
+    other = torch.nn.Linear(4, 4)
+    x = torch.ones(2, 4)
+    with oc.capture(env=out_env) as cap:
+        with contextlib.suppress(exc):
+            net(x)
+        other(x).sum()
+        net[0](x)
+    recs = [(r["fn"], r["module"]) for r in ops(read_trace(cap.path))]
+    assert recs[-3:] == [("torch.nn.functional.linear", "Linear"), ("Tensor.sum", None),
+                         ("torch.nn.functional.linear", "Sequential.0")], recs
 
 
 def test_public_names_of_fft_linalg_and_special_functions(out_env: dict[str, str]) -> None:

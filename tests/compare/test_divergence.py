@@ -4,6 +4,7 @@ filters and --show (docs/compare.md §4, §6), over synthetic v2 traces through 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -539,3 +540,24 @@ def test_a_transfer_that_received_other_data_points_to_the_other_ranks(tmp_path:
     fd = json.loads((tmp_path / "s.json").read_text())["ranks"][0]["first_divergence"]
     assert fd["function"] == "torch.distributed.broadcast" and fd["kind"].startswith(
         "outputs differ, inputs and arguments equal, in a collective (what this rank received differs"), fd
+
+
+def test_runs_whose_capture_never_ended_are_told_apart_from_capture_off(tmp_path: Path) -> None:
+    """A program that leaves through ``os._exit`` (or a signal) skips capture's exit handler: the
+    records it still held (under the buffer) are lost, and compare said 'recorded no operations ...
+    check that capture was on', which sent the user the wrong way (hand test)."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("torch", reason="capture needs torch (pip install torch, CPU build)")
+    code = ("import os, torch, opguard.capture as oc\n"
+            "cap = oc.capture(env={'OPGUARD_TRACE_OUTPUT_BASE': os.environ['OUT']})\ncap.__enter__()\n"
+            "x = torch.ones(4) * 1.5\nprint(x.sum().item(), flush=True)\nos._exit(0)\n")
+    for run in ("a", "b"):
+        p = subprocess.run([sys.executable, "-c", code], env={**os.environ, "OUT": str(tmp_path / run)},
+                           capture_output=True, text=True, timeout=300)
+        assert p.returncode == 0 and p.stdout.strip() == "6.0", p.stderr
+    p = run_compare(tmp_path / "a", tmp_path / "b", tmp_path / "v.pftrace")
+    assert p.returncode == 2, p.stderr
+    assert "the capture of run A and B did not end" in p.stderr and "os._exit" in p.stderr, p.stderr
+    assert "check that capture was on" not in p.stderr
