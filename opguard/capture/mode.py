@@ -55,14 +55,14 @@ _MAX_PLANS = 1 << 13
 _compiling = torch.compiler.is_dynamo_compiling  # False in eager code, True while Dynamo traces
 
 
-class _NoSession:
+class _NoFlags:
     _is_compiling_flag = False
 
 
 # torch.compiler._is_compiling_flag: True for a whole torch.compile session (AOTAutograd, a backend's
 # make_fx) and while torch.export traces (strict or not: its FakeTensors and SymInts are not the
 # program's computation); False while compiled code runs. A PyTorch without it: Dynamo's test alone.
-_session = torch.compiler if hasattr(torch.compiler, "_is_compiling_flag") else _NoSession
+_compile_flags = torch.compiler if hasattr(torch.compiler, "_is_compiling_flag") else _NoFlags
 _jit_tracing = torch._C._get_tracing_state  # None in eager code; the tracer's state inside torch.jit.trace
 _skip_one_hop = torch._C._skip_one_hop_torch_function  # redispatch_function without its Python frame
 _getframe = sys._getframe
@@ -315,7 +315,7 @@ class CaptureMode(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: Sequence[Any] = (),
                            kwargs: Mapping[str, Any] | None = None) -> Any:
-        if _compiling() or _session._is_compiling_flag or _jit_tracing() is not None:  # Dynamo, torch.export,
+        if _compiling() or _compile_flags._is_compiling_flag or _jit_tracing() is not None:  # Dynamo, torch.export,
             # torch.jit.trace: capture is invisible to them (Dynamo folds _compiling() to True: the rest is not traced)
             return func(*args, **(kwargs or {}))
         fast = self.fast
