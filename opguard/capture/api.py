@@ -22,6 +22,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 
 from opguard.capture.collectives import Collectives, collectives
 from opguard.capture.dispatch import AtenMode, tag_outputs
+from opguard.capture.futures import FutureCallbacks
 from opguard.capture.mode import CaptureMode
 from opguard.capture.optim import OptimizerSteps
 from opguard.capture.options import CaptureOptions
@@ -314,6 +315,7 @@ class Capture:
         self.collectives = Collectives(self.session)
         self.swaps = SwapGuard(self.session)
         self.resizes = ResizeGuard(self.session)
+        self.futures = FutureCallbacks(self.session)
         self.optimizer_steps = (OptimizerSteps(self.session, self.modules, self.mode)
                                 if options.optimizer == "step" else None)
         self.modules.optimizer_steps = self.optimizer_steps
@@ -336,6 +338,7 @@ class Capture:
         self.collectives.install()
         self.swaps.install()
         self.resizes.install()
+        self.futures.install()
         if self.optimizer_steps is not None:  # each step one record (optim.py): its hooks first
             self._optim_hooks.append(register_optimizer_step_pre_hook(self.optimizer_steps.pre))
             self._optim_hooks.append(register_optimizer_step_post_hook(self.optimizer_steps.post))
@@ -398,6 +401,7 @@ class Capture:
             self.collectives.uninstall()
             self.swaps.uninstall()
             self.resizes.uninstall()
+            self.futures.uninstall()
             while self._optim_hooks:
                 self._optim_hooks.pop().remove()
             try:

@@ -456,6 +456,28 @@ def test_a_forward_left_by_keyboard_interrupt_leaves_the_module_path(out_env: di
                          ("torch.nn.functional.linear", "Sequential.0")], recs
 
 
+def test_future_callbacks_are_never_recorded(out_env: dict[str, str]) -> None:
+    """A ``Future.then`` callback runs on the attaching thread when the future is already complete,
+    else on the backend's thread: its calls were recorded in the first case only, a race, and
+    identical runs differed by such records (hand test: DDP's ``fp16_compress_hook``, 2 ranks).
+    They are never recorded; what the callback wrote is read anew at its next recorded use."""
+    t = torch.ones(3)
+    then = torch._C.Future.then
+    with oc.capture(env=out_env) as cap:
+        done: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+        done.set_result(t)
+        got = done.then(lambda f: f.value().div_(2)).wait()  # already complete: runs here, now
+        seen = []
+        done.add_done_callback(lambda f: seen.append(f.value().mul(3)))
+        t.sum()
+    assert torch.equal(got, torch.full((3,), 0.5)) and torch.equal(seen[0], torch.full((3,), 1.5))
+    fns = [r["fn"] for r in ops(read_trace(cap.path))]
+    assert "Tensor.div_" not in fns and "Tensor.mul" not in fns, fns
+    total = next(r for r in ops(read_trace(cap.path)) if r["fn"] == "Tensor.sum")
+    assert total["inputs"][0]["digest"] == oc_digest(torch.full((3,), 0.5))
+    assert torch._C.Future.then is then  # put back after the capture
+
+
 def test_public_names_of_fft_linalg_and_special_functions(out_env: dict[str, str]) -> None:
     """The builtins' own names are ``fft_rfft``, ``linalg_vector_norm``, ``special_erf``: records
     named ``torch.fft.fft_rfft``, and OPGUARD_CAPTURE_FUNCTIONS=torch.fft.rfft matched nothing."""
