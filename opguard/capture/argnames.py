@@ -23,8 +23,6 @@ from typing import Any
 
 import torch
 
-from opguard.capture import customops
-
 # at most this many functions are looked up per rank (functions made per call could pile up)
 MAX_FUNCTIONS = 4096
 
@@ -32,7 +30,7 @@ MAX_FUNCTIONS = 4096
 def positional_names(func: Any) -> list[str | None] | None:
     """The names of ``func``'s positional arguments by position (``None`` where unknown), or None."""
     if isinstance(func, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):  # the program's operator
-        return customops.positional_names(func)
+        return _op_names(func)
     try:
         sig = inspect.signature(func)
     except (TypeError, ValueError):  # a builtin: its ATen schemas
@@ -72,9 +70,25 @@ def _schema_names(func: Any) -> list[str | None] | None:
         rest = [(i, t) for i, (n, t) in enumerate(pos) if n != "self"]
         if len(rest) == 1 and ("List[int]" in rest[0][1] or "List[SymInt]" in rest[0][1]):
             width = min(width, rest[0][0])
+    return _agreeing([[n for n, _ in pos] for pos in overloads], width)
+
+
+def _op_names(func: Any) -> list[str | None] | None:
+    """A ``torch.ops`` operator's (the program's own, customops.py): its schema, every overload of a
+    packet agreeing."""
+    if isinstance(func, torch._ops.OpOverload):
+        schemas = [func._schema]
+    else:
+        schemas = [getattr(func, o)._schema for o in func.overloads()]
+    lists = [[a.name for a in s.arguments if not a.kwarg_only] for s in schemas]
+    return _agreeing(lists, max((len(x) for x in lists), default=0))
+
+
+def _agreeing(overloads: list[list[str]], width: int) -> list[str | None] | None:
+    """Position by position up to ``width``, the name every overload that has the position agrees on."""
     out: list[str | None] = []
     for i in range(width):
-        names = {p[i][0] for p in overloads if len(p) > i}
+        names = {p[i] for p in overloads if len(p) > i}
         out.append(names.pop() if len(names) == 1 else None)
     return out if any(out) else None
 

@@ -63,19 +63,3 @@ def _name(func: Any) -> str | None:
     except Exception:  # an operator of another shape: not recorded, as before
         return None
 
-
-def positional_names(func: Any) -> list[str | None] | None:
-    """The positional argument names of an operator's schema (every overload of a packet agreeing)."""
-    if isinstance(func, _OVERLOAD):
-        schemas = [func._schema]
-    elif isinstance(func, _PACKET):
-        schemas = [getattr(func, o)._schema for o in func.overloads()]  # type: ignore[no-untyped-call]
-    else:
-        return None
-    lists = [[a.name for a in s.arguments if not a.kwarg_only] for s in schemas]
-    width = max((len(x) for x in lists), default=0)
-    out: list[str | None] = []
-    for i in range(width):
-        names = {x[i] for x in lists if len(x) > i}
-        out.append(names.pop() if len(names) == 1 else None)
-    return out if any(out) else None

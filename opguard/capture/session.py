@@ -1506,6 +1506,7 @@ class Session:
             self._selection_notes()
             self.writer.write_line(records.encode({"v": records.VERSION, "kind": "end", "rank": self.rank,
                                                    "records": self.records, "cap_reached": self.cap_reached}))
+            self.arg_names.dirty = False  # the final meta.json below holds them: not written twice
             self._write_tables()
             if self.sources.add(self.sites.files) or not (self.dir / CAPTURE_SOURCES_FILE).exists():
                 self._write_atomic(CAPTURE_SOURCES_FILE, self.sources.as_json(self.rank))
