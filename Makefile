@@ -13,7 +13,7 @@ $(BIN)/python:
 
 venv: $(BIN)/python $(OMPI_VENV)/bin/mpirun
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -e '.[dev,mpi]' 'torch==2.13.0' numpy
+	$(BIN)/pip install -q -e '.[dev,mpi,torch]' 'torch==2.13.0'
 
 $(OMPI_VENV)/bin/mpirun:
 	$(PY) -m venv $(OMPI_VENV)

@@ -21,6 +21,7 @@ from torch.nn.modules import module as nn_module
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from opguard.capture.collectives import Collectives, collectives
+from opguard.capture.compiles import CompileWindows
 from opguard.capture.dispatch import AtenMode, tag_outputs
 from opguard.capture.futures import FutureCallbacks
 from opguard.capture.mode import CaptureMode
@@ -46,6 +47,9 @@ def name_modules(module: torch.nn.Module, name: str) -> torch.nn.Module:
 _compiling = torch.compiler.is_dynamo_compiling  # False in eager code, True while Dynamo traces
 
 
+# torch.nn.modules.module's global hook tables (_has_any_global_hook reads these)
+_GLOBAL_HOOKS = ("_global_backward_pre_hooks", "_global_backward_hooks", "_global_forward_pre_hooks",
+                 "_global_forward_hooks", "_global_forward_hooks_always_called", "_global_forward_hooks_with_kwargs")
 _CALL_IMPL = getattr(getattr(torch.nn.Module, "_call_impl", None), "__code__", None)
 
 
@@ -148,6 +152,7 @@ class ModulePaths:
         # its forward runs, so a module whose forward ended without its post-hook is found (unwind)
         self.frames: list[FrameType] = []
         self.handles: list[Any] = []
+        self._has_any: Any = None  # PyTorch's _has_any_global_hook while capture's stands in for it
         # module hooks are global, capture (its function mode) is the starting thread's: another
         # thread's forward must not push onto this thread's module stack
         self.thread = threading.get_ident()
@@ -295,8 +300,23 @@ class ModulePaths:
         self.thread = threading.get_ident()
         self.handles = [nn_module.register_module_forward_pre_hook(self._pre),
                         nn_module.register_module_forward_hook(self._post, always_call=True)]
+        self._has_any = getattr(nn_module, "_has_any_global_hook", None)
+        if self._has_any is not None:
+            nn_module._has_any_global_hook = self._program_has_global_hook
+
+    def _program_has_global_hook(self) -> Any:
+        """``torch.compile(module)`` warns at each call while global module hooks exist (they fire for
+        its wrapper too): capture's own do not count, so a captured program warns as its plain run does."""
+        has = self._has_any() if self._has_any is not None else False
+        if not has:
+            return has
+        ours = {h.id for h in self.handles}
+        return any(k not in ours for name in _GLOBAL_HOOKS for k in getattr(nn_module, name, ()))
 
     def uninstall(self) -> None:
+        if getattr(nn_module, "_has_any_global_hook", None) == self._program_has_global_hook:
+            nn_module._has_any_global_hook = self._has_any
+        self._has_any = None
         for h in self.handles:
             h.remove()
         self.handles = []
@@ -316,6 +336,7 @@ class Capture:
         self.swaps = SwapGuard(self.session)
         self.resizes = ResizeGuard(self.session)
         self.futures = FutureCallbacks(self.session)
+        self.compiles = CompileWindows(self.session)
         self.optimizer_steps = (OptimizerSteps(self.session, self.modules, self.mode)
                                 if options.optimizer == "step" else None)
         self.modules.optimizer_steps = self.optimizer_steps
@@ -339,6 +360,7 @@ class Capture:
         self.swaps.install()
         self.resizes.install()
         self.futures.install()
+        self.compiles.install()
         if self.optimizer_steps is not None:  # each step one record (optim.py): its hooks first
             self._optim_hooks.append(register_optimizer_step_pre_hook(self.optimizer_steps.pre))
             self._optim_hooks.append(register_optimizer_step_post_hook(self.optimizer_steps.post))
@@ -402,6 +424,7 @@ class Capture:
             self.swaps.uninstall()
             self.resizes.uninstall()
             self.futures.uninstall()
+            self.compiles.uninstall()
             while self._optim_hooks:
                 self._optim_hooks.pop().remove()
             try:

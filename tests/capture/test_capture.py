@@ -1658,3 +1658,57 @@ def test_a_partial_write_leaves_the_rest_uninitialized(tmp_path: Path) -> None:
     assert ic["outputs"][0]["uninitialized"] is True and ic["outputs"][0]["digest"] is None
     add = next(r for r in op if r["fn"] == "torch.add")
     assert add["outputs"][0]["digest"] == oc_digest(x + 1) and sums[3]["inputs"][0]["digest"] == oc_digest(x + 1)
+
+
+def test_a_lazy_backward_compile_is_not_recorded(out_env: dict[str, str]) -> None:
+    """``torch.compile`` compiles a graph's backward at its first backward call, outside Dynamo's
+    compile session; inductor's lowering there makes torch calls (dtype promotions, constants):
+    ~1,000 records under the program's ``backward()`` in a run that compiled, none in a rerun that
+    found the graph in PyTorch's compile cache, so identical runs did not align (hand test, a
+    compiled Llama-style model). A backward compiler that calls torch stands in for inductor."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.aot_autograd import make_boxed_func
+
+    compiled_bw = []
+
+    def fw(gm: torch.fx.GraphModule, _inputs: Any) -> Any:
+        return make_boxed_func(gm)
+
+    def bw(gm: torch.fx.GraphModule, _inputs: Any) -> Any:
+        torch.promote_types(torch.float32, torch.float16)  # what a compiler's lowering might call
+        torch.zeros(1).add_(1)
+        compiled_bw.append(gm)
+        return make_boxed_func(gm)
+
+    lin = torch.nn.Linear(4, 2)
+    f = torch.compile(lambda x: lin(x).relu().sum(), backend=aot_autograd(fw_compiler=fw, bw_compiler=bw))
+    x = torch.randn(3, 4)
+    with oc.capture(env=out_env) as cap:
+        f(x).backward()
+        torch.ones(2).sum()
+    assert compiled_bw, "the backward was not compiled lazily inside the capture"
+    fns = [r["fn"] for r in ops(read_trace(cap.path))]
+    assert "torch.promote_types" not in fns and "torch.zeros" not in fns and "Tensor.add_" not in fns, fns
+    assert fns[-2:] == ["torch.ones", "Tensor.sum"], fns
+
+
+def test_capture_s_module_hooks_do_not_make_torch_compile_warn(
+        out_env: dict[str, str], recwarn: pytest.WarningsRecorder) -> None:
+    """Calling a ``torch.compile(module)`` warns when global module hooks exist ("... will cause the
+    hooks to fire an extra time ..."): capture's own hooks made every compiled module call of a
+    captured program warn, which its plain run never did (hand test). The program's own global hooks
+    still make it warn."""
+    import warnings
+
+    warnings.simplefilter("always")
+    cm = torch.compile(torch.nn.Linear(4, 2), backend="eager")
+    x = torch.randn(3, 4)
+    with oc.capture(env=out_env):
+        cm(x)
+        assert not [w for w in recwarn if "global hooks" in str(w.message)]
+        handle = torch.nn.modules.module.register_module_forward_hook(lambda *a: None)
+        try:
+            cm(x)
+        finally:
+            handle.remove()
+    assert [w for w in recwarn if "global hooks" in str(w.message)]
