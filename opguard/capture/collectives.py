@@ -211,6 +211,8 @@ class Collectives:
     def __init__(self, session: Session) -> None:
         self.session = session
         self.saved: dict[str, Any] = {}
+        self.originals: dict[Any, Any] = {}  # wrapper -> the function it wraps
+        self.p2p_saved: dict[str, Any] = {}  # P2POp's own __new__/__init__ (class dict entries)
 
     def install(self) -> None:
         if not dist.is_available():
@@ -224,11 +226,44 @@ class Collectives:
             if callable(orig) and name not in self.saved:
                 self.saved[name] = orig
                 setattr(dist, name, _wrap_objects(self.session, name, orig, threading.get_ident()))
+        self.originals = {getattr(dist, name): orig for name, orig in self.saved.items()}
+        self._p2p_install()
+
+    def _p2p_install(self) -> None:
+        """``dist.P2POp(dist.isend, ...)`` (``torch.distributed.pipelining``): PyTorch checks the op by
+        identity against its own ``isend``/``irecv`` (``P2POp.__new__``, ``batch_isend_irecv``), so a
+        P2POp is given the function capture's wrapper wraps; run by ``batch_isend_irecv``, that
+        function is recorded as library code's collective (``distributed_c10d.isend``, §3.2)."""
+        cls = getattr(dist, "P2POp", None)
+        if not isinstance(cls, type) or "__new__" not in vars(cls) or "__init__" not in vars(cls):
+            return
+        new, init = vars(cls)["__new__"], vars(cls)["__init__"]
+        new_fn = new.__func__ if isinstance(new, staticmethod) else new
+        if not callable(new_fn) or not callable(init):
+            return
+        originals = self.originals
+
+        @functools.wraps(new_fn)
+        def p2p_new(klass: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+            return new_fn(klass, originals.get(op, op), *args, **kwargs)
+
+        @functools.wraps(init)
+        def p2p_init(self_: Any, op: Any, *args: Any, **kwargs: Any) -> None:
+            init(self_, originals.get(op, op), *args, **kwargs)
+
+        self.p2p_saved = {"__new__": new, "__init__": init}
+        setattr(cls, "__new__", staticmethod(p2p_new))  # noqa: B010 (a class attribute, restored at uninstall)
+        setattr(cls, "__init__", p2p_init)  # noqa: B010
 
     def uninstall(self) -> None:
         for name, orig in self.saved.items():
             setattr(dist, name, orig)
         self.saved.clear()
+        self.originals = {}
+        cls = getattr(dist, "P2POp", None)
+        for attr, value in self.p2p_saved.items():
+            setattr(cls, attr, value)
+        self.p2p_saved = {}
 
 
 __all__ = ["COLLECTIVES", "Collectives", "torch"]

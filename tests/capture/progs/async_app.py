@@ -30,4 +30,11 @@ w = torch.full((2,), float(rank))
 w.sum()
 distributed_c10d.broadcast(w, src=1)
 w.neg()                                    # rank 1's 1.0 on both ranks
+# torch.distributed.pipelining's way: P2POp(dist.isend / dist.irecv) run by batch_isend_irecv, which
+# checks by identity that the op is torch.distributed's isend or irecv
+p = torch.full((2,), 5.0) if rank == 1 else torch.zeros(2)
+p.sum()
+for work in dist.batch_isend_irecv([dist.P2POp(dist.isend if rank == 1 else dist.irecv, p, 1 - rank)]):
+    work.wait()
+p.neg()                                    # rank 1's 5.0 on both ranks
 dist.destroy_process_group()
