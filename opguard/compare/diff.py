@@ -38,6 +38,10 @@ class Diff:
     # the inputs differ only in order: the same tensors (dtype, shape, digest) in other slots (b - a
     # for a - b): the edit is here, not upstream
     reordered: bool = False
+    # inputs equal but for these, whose content neither or only one run recorded (no digest:
+    # uninitialised memory, a tensor subclass, ...): "input (uninitialised memory)"; the differing
+    # outputs can come from them, so the pair does not introduce the difference
+    unseen: list[str] = field(default_factory=list)
 
     @property
     def introduced(self) -> bool:
@@ -145,7 +149,9 @@ def diff_pair(a: Record, b: Record) -> Diff:
     d = Diff(MISMATCH, args=changes, function=f"{a.function} -> {b.function}" if other_fn else None)
     fields: list[str] = []
     _compare_slots("inputs", a.inputs, b.inputs, fields, d)
-    inputs_equal = not fields
+    if not fields:
+        d.unseen = _unseen(a.inputs, b.inputs)
+    inputs_equal = not fields and not d.unseen
     if other_fn:
         fields.insert(0, "function")
     fields.extend(f"args.{c.split(':', 1)[0]}" for c in changes)
@@ -167,6 +173,20 @@ def diff_pair(a: Record, b: Record) -> Diff:
     d.fields, d.inputs_equal, d.numeric = fields, inputs_equal, numeric
     d.reordered = not inputs_equal and _reordered(a.inputs, b.inputs)
     return d
+
+
+def _unseen(a: list[Slot], b: list[Slot]) -> list[str]:
+    """The inputs (equal slots otherwise) whose content was not recorded in A or B, with why."""
+    by_b = {s.name: s for s in b}
+    out = []
+    for sa in a:
+        sb = by_b.get(sa.name)
+        if sb is not None and (sa.digest is None or sb.digest is None):
+            why = ("uninitialised memory" if sa.uninitialized or sb.uninitialized else
+                   sa.reason or sb.reason or "no digest")
+            label = sa.label or sb.label
+            out.append(f"{label} ({sa.name}, {why})" if label else f"{sa.name} ({why})")
+    return out
 
 
 def _reordered(a: list[Slot], b: list[Slot]) -> bool:

@@ -47,6 +47,7 @@ from opguard.compare.summary import (
     OUTPUTS_DIFFER,
     RANDOM_DIFFERS,
     REORDERED,
+    UNSEEN_INPUTS,
     FirstMismatch,
     StreamSummary,
     Summary,
@@ -559,7 +560,7 @@ def _run_rows(job: _Job, r0: int, r1: int, writer: ExportWriter) -> _Chunk:
                 kind = (FUNCTION_DIFFERS_KIND if d.function and d.inputs_equal else ARGS_DIFFER if d.args else
                         (COLLECTIVE_DIFFERS if ra.collective or rb.collective else
                          RANDOM_DIFFERS if ra.seeded or rb.seeded else OUTPUTS_DIFFER) if d.inputs_equal else
-                        REORDERED if d.reordered else INHERITED)
+                        REORDERED if d.reordered else UNSEEN_INPUTS + ", ".join(d.unseen) if d.unseen else INHERITED)
                 fm = FirstMismatch(rid_a.decode("utf-8", "surrogatepass"), rid_b.decode("utf-8", "surrogatepass"),
                                    ra.function, _where(ra), d.fields, d.numeric, out.unresolved,
                                    _module(ra.context), ra.step, d.args, kind, _where(rb), out.last_unresolved,

@@ -60,6 +60,14 @@ class Arg:
 AUTOCAST_SLOT = "(autocast)"  # a capture record's "autocast" field among its arguments (docs/compare.md §4)
 
 
+def slot_label(names: Sequence[str | None], slot: str) -> str | None:
+    """The parameter name of a positional slot ``arg<i>`` (None when unknown)."""
+    if slot.startswith("arg") and slot[3:].isdigit():
+        i = int(slot[3:])
+        return names[i] if i < len(names) and isinstance(names[i], str) else None
+    return None
+
+
 def capture_args(raw: Any, names: Sequence[str | None] | None = None) -> tuple[Arg, ...] | None:
     """The ``args`` list of a schema-v2 op record (None when absent); ``names``: the function's
     positional parameter names (meta.json ``arg_names``), the labels of its ``arg<i>`` slots."""
@@ -68,10 +76,7 @@ def capture_args(raw: Any, names: Sequence[str | None] | None = None) -> tuple[A
     out = []
     for e in raw:
         slot, typ = str(e["slot"]), str(e["type"])
-        label = None
-        if names and slot.startswith("arg") and slot[3:].isdigit():
-            i = int(slot[3:])
-            label = names[i] if i < len(names) and isinstance(names[i], str) else None
+        label = slot_label(names, slot) if names else None
         if "digest" in e:
             out.append(Arg(slot, typ, f"sha256:{e['digest']}/{e.get('len')}", True, label))
         else:
@@ -113,6 +118,8 @@ class Slot:
     stats: dict[str, float] | None = None
     dump: str | None = None           # path of a tensor dump, when one exists
     uninitialized: bool = False       # schema v2: uninitialised memory, its content is never compared
+    reason: str | None = None         # why capture recorded no digest (capture's "reason")
+    label: str | None = None          # an ``arg<i>`` input without digest: its parameter's name (arg_names)
 
     def signature(self) -> tuple[Any, ...]:
         return (self.name, self.digest, self.dtype, self.shape, self.uninitialized)
@@ -250,7 +257,7 @@ def capture_slot(raw: Mapping[str, Any], default_name: str) -> Slot:
     stats = raw.get("stats")
     return Slot(str(raw.get("slot", default_name)), _str(raw.get("digest")), _str(raw.get("dtype")),
                 _shape(raw.get("shape")), _str(raw.get("device")), None if stats is None else capture_stats(stats),
-                uninitialized=raw.get("uninitialized") is True)
+                uninitialized=raw.get("uninitialized") is True, reason=_str(raw.get("reason")))
 
 
 def capture_context(obj: Mapping[str, Any]) -> str:
@@ -335,7 +342,12 @@ def from_capture(obj: Mapping[str, Any], index: int, sites: SiteCache, where: st
         outputs = [capture_slot(s, f"out{i}") for i, s in enumerate(obj.get("outputs") or ())]
         if obj.get("error"):
             outputs.append(Slot(name="error", digest=str(obj["error"])))
-        args = capture_args(obj.get("args"), arg_names.get(obj["fn"]) if arg_names else None)
+        names = arg_names.get(obj["fn"]) if arg_names else None
+        args = capture_args(obj.get("args"), names)
+        if names:
+            for s in inputs:
+                if s.digest is None:  # named where compare may say it was not recorded (diff._unseen)
+                    s.label = slot_label(names, s.name)
         autocast = obj.get("autocast")
         if autocast is not None:  # the autocast state the call ran under, compared as an argument is
             args = (*(args or ()), Arg(AUTOCAST_SLOT, "str", json.dumps(str(autocast))))

@@ -20,6 +20,8 @@ RANDOM_DIFFERS = ("outputs differ, inputs and arguments equal, in a random draw 
 COLLECTIVE_DIFFERS = ("outputs differ, inputs and arguments equal, in a collective (what this rank received differs: "
                       "another rank sent or contributed other data; see the other ranks' first divergences)")
 INHERITED = "inputs differ (inherited)"
+# inputs equal where recorded, but one or more had no recorded content: the outputs can differ from there
+UNSEEN_INPUTS = "outputs differ, inputs equal where recorded; not recorded, so the difference can come from there: "
 REORDERED = "the same inputs in another order"
 FUNCTION_DIFFERS_KIND = "function differs"
 JSON_VERSION = 1

@@ -561,3 +561,49 @@ def test_runs_whose_capture_never_ended_are_told_apart_from_capture_off(tmp_path
     assert p.returncode == 2, p.stderr
     assert "the capture of run A and B did not end" in p.stderr and "os._exit" in p.stderr, p.stderr
     assert "check that capture was on" not in p.stderr
+
+
+@pytest.mark.parametrize("case", ["uninitialized", "subclass"])
+def test_outputs_computed_from_an_unrecorded_input_are_not_an_introduced_divergence(tmp_path: Path, case: str) -> None:
+    """An input whose content capture did not record (uninitialised memory: a shape probe
+    ``lin(torch.empty(4, 24))``, as ``torch.distributed.pipelining`` runs; a tensor subclass such as
+    DTensor's ``AsyncCollectiveTensor``) has no digest on either side: compare read the equal
+    nulls as equal inputs, and the op's differing outputs as 'outputs differ, inputs and arguments
+    equal', the first divergence (hand tests). The kind now says which input was not recorded and
+    why, and the pair is not counted as introducing the difference. (One process: B's trace is
+    A's with the op's output content changed, as other leftover memory would make it.)"""
+    torch = pytest.importorskip("torch", reason="capture needs torch (pip install torch, CPU build)")
+    import opguard.capture as oc
+
+    lin = torch.nn.Linear(6, 3)
+    with oc.capture(env={"OPGUARD_TRACE_OUTPUT_BASE": str(tmp_path / "a")}):
+        if case == "uninitialized":
+            lin(torch.empty(4, 6)).sum()
+        else:
+            x = torch.nested.nested_tensor([torch.ones(2, 6), torch.ones(3, 6)], layout=torch.jagged)
+            lin(x)
+        torch.ones(2).sum()
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+    trace = next((tmp_path / "b").rglob("trace.jsonl"))
+    lines, changed = [], 0
+    for line in trace.read_text().splitlines():
+        rec = json.loads(line)
+        if rec.get("fn") == "torch.nn.functional.linear":
+            assert rec["inputs"][0]["digest"] is None, rec["inputs"][0]
+            for o in rec["outputs"]:
+                o["digest"], changed = "0123456789abcdef", changed + 1
+                if o.get("stats"):
+                    o["stats"]["max"] += 1.0
+        lines.append(json.dumps(rec))
+    trace.write_text("\n".join(lines) + "\n")
+    assert changed
+    p = run_compare(tmp_path / "a", tmp_path / "b", tmp_path / "v.pftrace", extra=["--json", str(tmp_path / "s.json")])
+    assert p.returncode == 0, p.stderr
+    rank = json.loads((tmp_path / "s.json").read_text())["ranks"][0]
+    assert rank["first_divergence"] is None and rank["introduced"] == 0, rank
+    fm = rank["first_mismatch"]
+    why = "uninitialised memory" if case == "uninitialized" else "tensor subclass NestedTensor"
+    assert fm["function"] == "torch.nn.functional.linear", fm
+    assert fm["kind"].startswith("outputs differ, inputs equal where recorded"), fm
+    assert f"input (arg0, {why})" in fm["kind"], fm
+    assert "outputs differ, inputs and arguments equal" not in p.stderr
