@@ -47,9 +47,9 @@ def child_env(env: Mapping[str, str], options: CaptureOptions | None = None) -> 
     out.update(opts.to_env())
     out[ENABLE] = "1"
     parts = [p for p in out.get("PYTHONPATH", "").split(os.pathsep) if p and p != str(SITE_DIR)]
-    # the opguard package must be importable from the child's interpreter as well
-    pkg_root = str(Path(__file__).resolve().parent.parent.parent)
-    out["PYTHONPATH"] = os.pathsep.join([str(SITE_DIR), *parts, *([] if pkg_root in parts else [pkg_root])])
+    # the bootstrap imports opguard from its own location (sitecustomize.py): the directory holding
+    # the package is not put on the program's path (a source checkout's tests/ would be importable)
+    out["PYTHONPATH"] = os.pathsep.join([str(SITE_DIR), *parts])
     return out
 
 

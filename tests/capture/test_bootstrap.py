@@ -3,6 +3,7 @@ sitecustomize chain. These tests need no torch."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -105,3 +106,24 @@ def test_unusable_staging_refuses_the_program(tmp_path: Path) -> None:
     assert r.returncode == 2 and "ran" not in r.stdout
     assert "OPGUARD_LOCAL_DUMP_BASE" in r.stderr and "refusing" in r.stderr
     assert not (tmp_path / "shared").exists()
+
+
+def test_the_program_s_sys_path_gains_only_the_bootstrap_directory(tmp_path: Path) -> None:
+    """``child_env`` also put the directory holding the opguard package on ``PYTHONPATH``: in a
+    source checkout that made its ``tests`` package (and ``setup.py``) importable by the program,
+    ahead of site-packages, and PyTorch's log lines named files relative to it (hand tests:
+    ``import tests`` succeeded only under capture; torchrun's banner changed). The bootstrap now
+    imports opguard from its own location without leaving that directory on ``sys.path``."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OPGUARD_") and k != "PYTHONPATH"}
+    code = ("import json, sys; print(json.dumps([sys.path, 'opguard.capture.bootstrap' in sys.modules, "
+            "__import__('importlib').util.find_spec('tests') is not None]))")
+    plain = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True,
+                           cwd=tmp_path)
+    cap_env = child_env({**env, "OPGUARD_TRACE_OUTPUT_BASE": str(tmp_path / "t")})
+    assert cap_env["PYTHONPATH"] == str(SITE_DIR)
+    cap = subprocess.run([sys.executable, "-c", code], env=cap_env, capture_output=True, text=True, check=True,
+                         cwd=tmp_path)
+    (path_a, boot_a, tests_a), (path_b, boot_b, tests_b) = json.loads(plain.stdout), json.loads(cap.stdout)
+    assert [p for p in path_b if p != str(SITE_DIR)] == path_a
+    assert (boot_a, boot_b) == (False, True)
+    assert tests_b == tests_a

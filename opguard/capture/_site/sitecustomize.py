@@ -23,7 +23,27 @@ def _chain() -> None:
             return
 
 
+def _import_opguard() -> None:
+    """Import the opguard package this file belongs to (the wrapper's, whatever this interpreter
+    has installed), leaving ``sys.path`` as the program would have it: the directory holding the
+    package is on the path only while the package itself is imported (its submodules are found
+    through the package's own ``__path__`` after that)."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    if any(os.path.abspath(p or os.curdir) == root for p in sys.path):
+        import opguard
+        return
+    sys.path.insert(0, root)
+    try:
+        import opguard  # noqa: F401
+    finally:
+        try:
+            sys.path.remove(root)
+        except ValueError:
+            pass
+
+
 if os.environ.get("OPGUARD_CAPTURE", "").strip().lower() in ("1", "true", "yes", "on"):
+    _import_opguard()
     from opguard.capture.bootstrap import install_hook
     from opguard.errors import OpguardError
 
