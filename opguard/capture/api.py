@@ -23,6 +23,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 from opguard.capture.collectives import Collectives, collectives
 from opguard.capture.compiles import CompileWindows
 from opguard.capture.dispatch import AtenMode, tag_outputs
+from opguard.capture.fused import FUSED_TYPES, FusedModules, may_take_fast_path
 from opguard.capture.futures import FutureCallbacks
 from opguard.capture.mode import CaptureMode
 from opguard.capture.optim import OptimizerSteps
@@ -69,23 +70,6 @@ def _call_kwargs() -> dict[str, Any]:
     return {}
 
 
-def _float_mask(args: Any, kwargs: dict[str, Any]) -> bool:
-    """Whether an ``nn.MultiheadAttention`` call has a floating-point ``key_padding_mask`` or
-    ``attn_mask`` (positions 3 and 5 of its forward, or keywords), which PyTorch's fast path refuses."""
-    masks = [kwargs.get("key_padding_mask"), kwargs.get("attn_mask")]
-    if isinstance(args, tuple):
-        masks += [args[i] for i in (3, 5) if len(args) > i]
-    return any(isinstance(t, torch.Tensor) and torch.is_floating_point(t) for t in masks)
-
-
-def _mha_fast_path_enabled() -> bool:
-    """``torch.backends.mha.get_fastpath_enabled()`` (True where this PyTorch has no such switch)."""
-    try:
-        return bool(torch.backends.mha.get_fastpath_enabled())
-    except AttributeError:
-        return True
-
-
 def _step_wrapper_code() -> Any:
     """The code of the function ``torch.optim`` wraps every ``Optimizer.step`` in (its hooks run
     inside it); ``None`` when this PyTorch has none."""
@@ -129,7 +113,6 @@ def _inside_another_step() -> bool:
 
 
 # modules that take a fused inference fast path only when no torch function mode is active
-FAST_PATH_MODULES = (torch.nn.TransformerEncoderLayer, torch.nn.MultiheadAttention)
 _DDP = torch.nn.parallel.DistributedDataParallel  # broadcasts buffers in C++ before its module runs
 
 
@@ -157,6 +140,7 @@ class ModulePaths:
         # thread's forward must not push onto this thread's module stack
         self.thread = threading.get_ident()
         self.optimizer_steps: OptimizerSteps | None = None  # settled at each forward (optim.py)
+        self.fused: FusedModules | None = None  # eval-mode modules kept on PyTorch's fast path (fused.py)
 
     def path(self, m: torch.nn.Module) -> str:
         """``m``'s path: ``<root>.<name>...`` within the module running around it. A module first
@@ -227,10 +211,15 @@ class ModulePaths:
             self._unwind(caller)
         if self.session.quiet is not None and self.optimizer_steps is not None:
             self.optimizer_steps.settle()
+        fused = self.fused
+        if fused is not None and fused.open is not None:
+            fused.settle(caller)  # a fused forward left without its post-hook
         try:
             p = self.path(m)
-            if not m.training and type(m) in FAST_PATH_MODULES:
-                self._fast_path(m, p, args)
+            if fused is not None and fused.open is None and type(m) in FUSED_TYPES:
+                kwargs = _call_kwargs()
+                if may_take_fast_path(m, args, kwargs):
+                    fused.begin(m, p, args, kwargs, caller)
             if self.running and isinstance(self.running[-1], _DDP):
                 self._ddp_buffers(self.running[-1], m)
         except Exception as err:
@@ -255,9 +244,13 @@ class ModulePaths:
             self.running.pop()
             self.session.modules.pop()
 
-    def _post(self, m: torch.nn.Module, _args: Any, _out: Any) -> None:
+    def _post(self, m: torch.nn.Module, _args: Any, out: Any) -> None:
         if _compiling() or threading.get_ident() != self.thread:
             return
+        fused = self.fused
+        if fused is not None and fused.open is not None and fused.open.module is m:
+            # PyTorch runs this hook (always_call) with None when the forward raised
+            fused.end(m, out, error="the forward raised" if out is None else None)
         if self.running and self.running[-1] is m:
             self.running.pop()
             self.frames.pop()
@@ -270,31 +263,6 @@ class ModulePaths:
         next use is digested from memory (``docs/capture.md`` §5.3)."""
         if m is getattr(ddp, "module", None) and getattr(ddp, "broadcast_buffers", False):
             self.session.written_unrecorded(list(m.buffers()))
-
-    def _fast_path(self, m: torch.nn.Module, path: str, args: Any) -> None:
-        """An eval-mode module whose fused fast path PyTorch refuses under any torch function mode
-        (``has_torch_function``): when the other conditions PyTorch checks first hold (autograd off
-        or no input/parameter requiring grad), capture moved it off that path: say so once."""
-        s = self.session
-        if path in s.fast_path_off or not s.active or not _mha_fast_path_enabled():
-            return  # the program switched the fast path off itself: it is not capture that moved it
-        tensors = [a for a in args if isinstance(a, torch.Tensor)] if isinstance(args, tuple) else []
-        if not tensors or tensors[0].dim() != 3:
-            return
-        if torch.is_grad_enabled() and (any(t.requires_grad for t in tensors)
-                                        or any(p.requires_grad for p in m.parameters())):
-            return
-        if isinstance(m, torch.nn.MultiheadAttention) and not (
-                m.batch_first and len(tensors) >= 3 and tensors[0] is tensors[1] is tensors[2]):
-            return  # PyTorch's MHA fast path is batch-first self-attention only
-        if isinstance(m, torch.nn.MultiheadAttention) and _float_mask(args, _call_kwargs()):
-            return  # PyTorch refuses its fast path for floating-point masks: not capture's doing
-        if any(path.startswith(p + ".") for p in s.fast_path_off):
-            return  # its enclosing layer is listed already
-        s.fast_path_off.append(path)
-        s.note(f"{path} ({type(m).__name__}, eval mode) ran its standard path instead of PyTorch's fused fast "
-               "path: PyTorch takes that path only without a torch function mode (results can differ in the "
-               "last bits from uncaptured inference)", warn=True)
 
     def install(self) -> None:
         self.thread = threading.get_ident()
@@ -340,6 +308,7 @@ class Capture:
         self.optimizer_steps = (OptimizerSteps(self.session, self.modules, self.mode)
                                 if options.optimizer == "step" else None)
         self.modules.optimizer_steps = self.optimizer_steps
+        self.modules.fused = FusedModules(self.session, self.mode)
         self._entered: list[Any] = []
         self._optim_hooks: list[Any] = []
         self._thread = threading.get_ident()  # torch function modes are per thread: so are steps (start())
@@ -416,6 +385,8 @@ class Capture:
         try:
             if self.optimizer_steps is not None:
                 self.optimizer_steps.before_stop()  # capture's mode back on the stack before it exits
+            if self.modules.fused is not None:
+                self.modules.fused.stop()
             while self._entered:
                 self._entered.pop().__exit__(None, None, None)
         finally:

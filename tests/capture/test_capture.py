@@ -220,30 +220,71 @@ def test_calls_that_draw_random_numbers_are_marked_seeded(out_env: dict[str, str
         assert any(f.startswith("aten::normal_") for f in marked), marked
 
 
-@pytest.mark.parametrize("case", ["bool_mask", "float_mask", "float_mask_positional", "switched_off"])
-def test_the_fast_path_notice_only_when_capture_moved_the_module(out_env: dict[str, str], case: str) -> None:
-    """PyTorch keeps an eval-mode MultiheadAttention off its fast path for a floating-point mask
-    (nn.TransformerDecoderLayer's causal mask, passed by keyword) and when the program switched the
-    fast path off: capture warned it had moved the module off that path all the same."""
+@pytest.mark.parametrize("case", ["bool_mask", "float_mask", "float_mask_positional", "switched_off", "grad"])
+def test_an_attention_that_may_take_the_fast_path_keeps_it_as_one_record(out_env: dict[str, str], case: str) -> None:
+    """PyTorch runs an eval-mode MultiheadAttention on its fused fast path only without a torch
+    function mode: under capture it ran its standard path (other kernels, other last bits), said in a
+    notice. Capture now takes its mode off for such a module's forward, which runs exactly as without
+    capture, recorded as one ``api: "module"`` record. Where PyTorch refuses the fast path anyway (a
+    floating-point mask, the fast path switched off, autograd needed) the calls are recorded one by
+    one as before."""
     torch.manual_seed(0)
     mha = torch.nn.MultiheadAttention(16, 2, batch_first=True).eval()
     x = torch.randn(2, 5, 16)
     bool_mask = torch.ones(5, 5, dtype=torch.bool).triu(1)
     float_mask = torch.nn.Transformer.generate_square_subsequent_mask(5)
+
+    def run() -> torch.Tensor:
+        with torch.set_grad_enabled(case == "grad"):
+            if case == "float_mask_positional":
+                return mha(x, x, x, None, False, float_mask)[0]
+            return mha(x, x, x, attn_mask=float_mask if case.startswith("float") else bool_mask,
+                       need_weights=False)[0]
+
     prev = torch.backends.mha.get_fastpath_enabled()
     try:
-        with oc.capture(env=out_env) as cap, torch.no_grad():
-            if case == "switched_off":
-                torch.backends.mha.set_fastpath_enabled(False)
-            if case == "float_mask_positional":
-                mha(x, x, x, None, False, float_mask)
-            else:
-                mha(x, x, x, attn_mask=bool_mask if case in ("bool_mask", "switched_off") else float_mask,
-                    need_weights=False)
+        torch.backends.mha.set_fastpath_enabled(case != "switched_off")
+        plain = run()
+        with oc.capture(env=out_env) as cap:
+            got = run()
     finally:
         torch.backends.mha.set_fastpath_enabled(prev)
-    meta = json.loads((cap.path / "meta.json").read_text())
-    assert meta["fast_path_off"] == (["MultiheadAttention"] if case == "bool_mask" else [])
+    assert torch.equal(plain.view(torch.int32), got.view(torch.int32))
+    recs = ops(read_trace(cap.path))
+    fused = [r for r in recs if r["api"] == "module"]
+    if case == "bool_mask":
+        assert [r["fn"] for r in recs] == ["torch.nn.MultiheadAttention"]
+        r = fused[0]
+        assert r["module"] == "MultiheadAttention" and r["file"] == __file__
+        assert [i["slot"] for i in r["inputs"]][:4] == ["arg0", "arg1", "arg2", "attn_mask"]
+        assert {"in_proj_weight", "out_proj.weight"} <= {i["slot"] for i in r["inputs"]}
+        assert {"slot": "need_weights", "type": "bool", "value": False} in r["args"]
+        assert {"slot": "config.attn.num_heads", "type": "int", "value": 2} in r["args"]
+        assert [o["slot"] for o in r["outputs"]] == ["out.0"]
+    else:
+        assert not fused and "torch.nn.functional.multi_head_attention_forward" in {r["fn"] for r in recs}
+    assert json.loads((cap.path / "meta.json").read_text())["fast_path_off"] == []
+
+
+def test_an_eval_encoder_with_a_padding_mask_computes_as_without_capture(out_env: dict[str, str]) -> None:
+    """An eval-mode TransformerEncoder given a ``src_key_padding_mask`` converts the batch to a nested
+    tensor on its fast path: the output's padded positions are zeros. Under capture's mode it ran
+    its standard path, where they hold computed values — not a last-bit difference (a program
+    pooling over every position got another result), though the notice said so (hand test)."""
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(8, 2, dim_feedforward=16, batch_first=True)
+    enc = torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=True).eval()
+    x = torch.randn(2, 5, 8)
+    pad = torch.tensor([[False] * 5, [False, False, False, True, True]])
+    with torch.no_grad():
+        plain = enc(x, src_key_padding_mask=pad)
+        with oc.capture(env=out_env) as cap:
+            got = enc(x, src_key_padding_mask=pad)
+    assert torch.equal(plain.view(torch.int32), got.view(torch.int32))
+    assert float(got[1, 3:].abs().sum()) == 0.0  # the fast path's padded positions
+    recs = ops(read_trace(cap.path))
+    assert [r["fn"] for r in recs] == ["torch.nn.TransformerEncoder"], [r["fn"] for r in recs]
+    assert "src_key_padding_mask" in {i["slot"] for i in recs[0]["inputs"]}
 
 
 def test_mode_switches_are_not_recorded(out_env: dict[str, str]) -> None:
