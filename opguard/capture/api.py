@@ -146,7 +146,12 @@ class ModulePaths:
         """``m``'s path: ``<root>.<name>...`` within the module running around it. A module first
         called outside any forward (a parametrization runs once when ``weight_norm`` builds it) gets
         its class name *provisionally*: it, and every path derived from it, is resolved again when it
-        runs under another parent, or its parent's path changed (``derived``)."""
+        runs under another parent, or its parent's path changed (``derived``). A module called from
+        its own forward (``self(x, depth - 1)``) keeps the path it runs under."""
+        if any(r is m for r in self.running):
+            p = self.paths.get(m)
+            if p is not None:
+                return p
         return self._path(m, len(self.running) - 1)
 
     def _path(self, m: torch.nn.Module, i: int) -> str:

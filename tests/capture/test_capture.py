@@ -1753,3 +1753,26 @@ def test_capture_s_module_hooks_do_not_make_torch_compile_warn(
         finally:
             handle.remove()
     assert [w for w in recwarn if "global hooks" in str(w.message)]
+
+
+class _Recursive(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, depth: int = 1) -> torch.Tensor:
+        x = self.lin(x).relu()
+        return self(x, depth - 1) if depth > 0 else x
+
+
+def test_a_module_that_calls_itself_keeps_its_path(out_env: dict[str, str]) -> None:
+    """A module whose forward calls the module itself (``self(x, depth - 1)``) was resolved again
+    under itself, where it is no child: its path became its class name (``_Recursive``), and stayed
+    so for every later call from its real parent (hand test)."""
+    net = torch.nn.Sequential(_Recursive())
+    x = torch.randn(2, 4)
+    with oc.capture(env=out_env) as cap:
+        net(x)
+        net(x)
+    mods = [r["module"] for r in ops(read_trace(cap.path)) if r["fn"] == "torch.nn.functional.linear"]
+    assert mods == ["Sequential.0.lin"] * 4, mods
