@@ -139,6 +139,8 @@ def dump_errors(pa: str, pb: str) -> dict[str, float]:
 
 def diff_pair(a: Record, b: Record) -> Diff:
     changes = arg_changes(a.args, b.args)
+    if changes:  # a slot given a tensor in one run and a value in the other (bias=None)
+        changes = arg_changes(a.args, b.args, {s.name for s in a.inputs}, {s.name for s in b.inputs})
     other_fn = a.function != b.function
     # the autocast state alone (docs/compare.md §4): a call it does not cast computes the same under both
     context_only = bool(changes) and all(c.startswith(AUTOCAST_CHANGE) for c in changes)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -84,10 +84,13 @@ def capture_args(raw: Any, names: Sequence[str | None] | None = None) -> tuple[A
     return tuple(out)
 
 
-def arg_changes(a: tuple[Arg, ...] | None, b: tuple[Arg, ...] | None) -> list[str]:
+def arg_changes(a: tuple[Arg, ...] | None, b: tuple[Arg, ...] | None,
+                tensors_a: Collection[str] = (), tensors_b: Collection[str] = ()) -> list[str]:
     """What differs between two argument lists, per slot in B's order then A's:
     ``approximate: 'none' -> 'tanh'``, ``alpha: absent -> 1.5``, ``dim: 1 -> absent``, and a
-    positional slot with its parameter's name: ``padding (arg4): [1] -> [2]``."""
+    positional slot with its parameter's name: ``padding (arg4): [1] -> [2]``; a slot that is an
+    input tensor on one side (``tensors_a``/``tensors_b``: the input slot names) reads ``a tensor``
+    there: ``bias: a tensor -> None``."""
     if a == b:
         return []
     by_a = {x.slot: x for x in a or ()}
@@ -97,8 +100,9 @@ def arg_changes(a: tuple[Arg, ...] | None, b: tuple[Arg, ...] | None) -> list[st
         xa, xb = by_a.get(slot), by_b.get(slot)
         if xa == xb:
             continue
-        sa = "absent" if xa is None else xa.show()
-        sb = "absent" if xb is None else xb.show()
+        # a slot that is a tensor on one side is an input there, not an argument: "a tensor", not "absent"
+        sa = ("a tensor" if slot in tensors_a else "absent") if xa is None else xa.show()
+        sb = ("a tensor" if slot in tensors_b else "absent") if xb is None else xb.show()
         if xa is not None and xb is not None and xa.type != xb.type:
             sa, sb = f"{sa} ({xa.type})", f"{sb} ({xb.type})"
         label = (xb.label if xb is not None else None) or (xa.label if xa is not None else None)

@@ -607,3 +607,22 @@ def test_outputs_computed_from_an_unrecorded_input_are_not_an_introduced_diverge
     assert fm["kind"].startswith("outputs differ, inputs equal where recorded"), fm
     assert f"input (arg0, {why})" in fm["kind"], fm
     assert "outputs differ, inputs and arguments equal" not in p.stderr
+
+
+def test_a_tensor_argument_replaced_by_none_reads_as_such(tmp_path: Path) -> None:
+    """``F.linear(x, w, bias=b)`` edited to ``bias=None``: the tensor is an input entry in A and the
+    None an argument in B, and compare said ``bias: absent -> None`` (hand test)."""
+    torch = pytest.importorskip("torch", reason="capture needs torch (pip install torch, CPU build)")
+    import opguard.capture as oc
+
+    x, w, b = torch.randn(2, 3), torch.randn(4, 3), torch.randn(4)
+    for run, bias in (("a", b), ("b", None)):
+        with oc.capture(env={"OPGUARD_TRACE_OUTPUT_BASE": str(tmp_path / run)}):
+            torch.nn.functional.linear(x, w, bias=bias)
+    p = run_compare(tmp_path / "a", tmp_path / "b", tmp_path / "v.pftrace", extra=["--json", str(tmp_path / "s.json")])
+    assert p.returncode == 0, p.stderr
+    fd = json.loads((tmp_path / "s.json").read_text())["ranks"][0]["first_divergence"]
+    assert fd["args"] == ["bias: a tensor -> None"], fd
+    p = run_compare(tmp_path / "b", tmp_path / "a", tmp_path / "v.pftrace", extra=["--json", str(tmp_path / "s.json")])
+    fd = json.loads((tmp_path / "s.json").read_text())["ranks"][0]["first_divergence"]
+    assert fd["args"] == ["bias: None -> a tensor"], fd
