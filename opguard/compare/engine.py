@@ -450,7 +450,7 @@ def _evidence(side: _Side, rec: Record) -> dict[str, Any]:
     def slot(s: Slot) -> dict[str, Any]:
         fields: list[tuple[str, Any]] = [("digest", s.digest), ("dtype", s.dtype), ("device", s.device),
                                          ("shape", list(s.shape) if s.shape is not None else None),
-                                         ("stats", s.stats), ("dump", s.dump)]
+                                         ("stats", s.stats), ("dump", s.dump), ("reason", s.reason)]
         out: dict[str, Any] = {k: v for k, v in fields if v is not None}
         if s.uninitialized:
             out["uninitialized"] = True

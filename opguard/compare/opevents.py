@@ -148,7 +148,7 @@ class OpEncoder:
             b = self._corrs[key] = (pre, post, tail)
         return b
 
-    def _meta(self, dtype: str | None, shape: tuple[int, ...] | None, device: str | None) -> bytes:
+    def _meta(self, dtype: str | None, shape: tuple[int | str, ...] | None, device: str | None) -> bytes:
         """dtype, shape and device entries of a slot (framed)."""
         parts = []
         if dtype is not None:
@@ -159,7 +159,7 @@ class OpEncoder:
             parts.append(self._cs("device", device))
         return b"".join(_DD + uv(len(e)) + e for e in parts)
 
-    def _slot_head(self, name: str, dtype: str | None, shape: tuple[int, ...] | None,
+    def _slot_head(self, name: str, dtype: str | None, shape: tuple[int | str, ...] | None,
                    device: str | None) -> tuple[bytes, bytes]:
         key = (name, dtype, shape, device)
         h = self._slot_heads.get(key)

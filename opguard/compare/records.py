@@ -117,7 +117,7 @@ class Slot:
     name: str
     digest: str | None = None
     dtype: str | None = None
-    shape: tuple[int, ...] | None = None
+    shape: tuple[int | str, ...] | None = None
     device: str | None = None
     stats: dict[str, float] | None = None
     dump: str | None = None           # path of a tensor dump, when one exists
@@ -233,8 +233,9 @@ CAPTURE_VERSIONS = (1, 2)
 EMPTY_SHA256 = hashlib.sha256(b"").hexdigest()
 
 
-def _shape(v: Any) -> tuple[int, ...] | None:
-    if v.__class__ is list and all(x.__class__ is int for x in v):
+def _shape(v: Any) -> tuple[int | str, ...] | None:
+    """A shape: sizes, a symbolic one as its text (a nested tensor's ragged ``j1``, capture §3.3)."""
+    if v.__class__ is list and all(x.__class__ is int or x.__class__ is str for x in v):
         return tuple(v)
     return None
 

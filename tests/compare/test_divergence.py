@@ -607,6 +607,14 @@ def test_outputs_computed_from_an_unrecorded_input_are_not_an_introduced_diverge
     assert fm["kind"].startswith("outputs differ, inputs equal where recorded"), fm
     assert f"input (arg0, {why})" in fm["kind"], fm
     assert "outputs differ, inputs and arguments equal" not in p.stderr
+    # --show gives the entry's reason (and a nested tensor's symbolic size) instead of dropping them
+    p = run_compare(tmp_path / "a", tmp_path / "b", tmp_path / "v.pftrace",
+                    extra=["--show", fm["record_a"]])
+    shown = json.loads(p.stdout)["a"]["inputs"]["arg0"]
+    assert shown.get("reason", "uninitialized memory") == (
+        "uninitialized memory" if case == "uninitialized" else "tensor subclass NestedTensor"), shown
+    if case == "subclass":
+        assert shown["shape"][0] == 2 and isinstance(shown["shape"][1], str), shown
 
 
 def test_a_tensor_argument_replaced_by_none_reads_as_such(tmp_path: Path) -> None:
