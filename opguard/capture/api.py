@@ -221,7 +221,7 @@ class ModulePaths:
             fused.settle(caller)  # a fused forward left without its post-hook
         try:
             p = self.path(m)
-            if fused is not None and fused.open is None and type(m) in FUSED_TYPES:
+            if fused is not None and fused.open is None and not m.training and type(m) in FUSED_TYPES:
                 kwargs = _call_kwargs()
                 if may_take_fast_path(m, args, kwargs):
                     fused.begin(m, p, args, kwargs, caller)
