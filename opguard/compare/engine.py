@@ -32,6 +32,7 @@ from opguard.compare.pairing import (
     FUNCTION_DIFFERS,
     NO_ANCHOR,
     NO_CORRESPONDING_FILE,
+    NO_COUNTERPART_IN_SEGMENT,
     NOT_IN_OTHER_SEGMENT,
     Pairing,
     pair_streams,
@@ -56,6 +57,8 @@ from opguard.errors import ConfigError, OpguardError
 from opguard.staging import forkpool
 
 EXPORT_KIND = "opguard-compare-v2"
+# the reasons of an unresolved operation the other run does not make there (docs/compare.md §6)
+_NOT_MADE = (NOT_IN_OTHER_SEGMENT, EDITED_LINE_CALLS, NO_COUNTERPART_IN_SEGMENT)
 
 
 def anchor_hash(text: str) -> int:
@@ -590,10 +593,10 @@ def _run_rows(job: _Job, r0: int, r1: int, writer: ExportWriter) -> _Chunk:
         out.last_unresolved = f"run {side.run} {site.function} at {loc} ({side.rid(k).decode()}, {reason})"
         if out.first_unresolved is None:
             out.first_unresolved = out.last_unresolved
-        if out.first_new_b is None and i < 0 and (site.line_map == NO_COUNTERPART or reason in (
-                NOT_IN_OTHER_SEGMENT, EDITED_LINE_CALLS)):
+        # (no-counterpart-in-segment: the other run makes nothing at all between those anchors)
+        if out.first_new_b is None and i < 0 and (site.line_map == NO_COUNTERPART or reason in _NOT_MADE):
             out.first_new_b = out.last_unresolved  # B's first operation A does not make (a new line, a new call)
-        if out.first_gone_a is None and i >= 0 and reason in (NOT_IN_OTHER_SEGMENT, EDITED_LINE_CALLS):
+        if out.first_gone_a is None and i >= 0 and reason in _NOT_MADE:
             out.first_gone_a = out.last_unresolved  # A's first operation B does not make (a removed call)
         if pairs_out is not None:
             pairs_out.write(json.dumps({**head, "row": row, "status": UNALIGNED, "reason": reason,

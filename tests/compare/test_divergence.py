@@ -634,3 +634,36 @@ def test_a_tensor_argument_replaced_by_none_reads_as_such(tmp_path: Path) -> Non
     p = run_compare(tmp_path / "b", tmp_path / "a", tmp_path / "v.pftrace", extra=["--json", str(tmp_path / "s.json")])
     fd = json.loads((tmp_path / "s.json").read_text())["ranks"][0]["first_divergence"]
     assert fd["args"] == ["bias: None -> a tensor"], fd
+
+
+_PERIODIC = """import torch
+K = {k}
+w = torch.zeros(3)
+tgt = torch.zeros(3)
+for t in range(12):
+    w = w + 1.0
+    if t % K == 0:
+        tgt.copy_(w)
+    if t >= 6:
+        y = (w * tgt).sum()
+print(y.item().hex())
+"""
+
+
+def test_the_first_call_one_run_does_not_make_is_the_earliest(tmp_path: Path) -> None:
+    """A periodic call whose period changed (a target network synced every 5 steps, then every 4):
+    B's extra syncs fall between anchors where A makes nothing (reason no-counterpart-in-segment),
+    and the summary's "B's first operation A does not make" skipped them for a later one of another
+    reason, while "the first unresolved operation" named the right one (hand test, a DQN)."""
+    runs = _captured_pair(tmp_path, _PERIODIC.format(k=5), "# edited\n\n" + _PERIODIC.format(k=4))
+    p = run_compare(runs["a"], runs["b"], tmp_path / "v.pftrace",
+                    extra=["--json", str(tmp_path / "s.json"), "--pairs", str(tmp_path / "p.jsonl")])
+    assert p.returncode == 0, p.stderr
+    rank = json.loads((tmp_path / "s.json").read_text())["ranks"][0]
+    unpaired = [json.loads(line) for line in (tmp_path / "p.jsonl").read_text().splitlines()]
+    unpaired = [u for u in unpaired if u.get("status") == "unaligned"]
+    first_b = next(u["b"]["record"] for u in unpaired if "b" in u)  # in row order
+    first_a = next(u["a"]["record"] for u in unpaired if "a" in u)
+    assert first_b == "B/rank0/capture/8" and first_a == "A/rank0/capture/9", (first_a, first_b)
+    assert f"({first_b}, no-counterpart-in-segment)" in rank["first_new_in_b"], rank["first_new_in_b"]
+    assert f"({first_a}, no-counterpart-in-segment)" in rank["first_missing_in_b"], rank["first_missing_in_b"]
