@@ -56,8 +56,9 @@ class DumpPolicy:
         return any(fnmatchcase(v, p) for p in self.filter for v in (fn, module or "-", context or "-"))
 
 
-def dump_relpath(seq: int, slot: str) -> str:
-    return f"capture/tensors/{seq:09d}-{_SLOT_RE.sub('_', slot)}.pt"
+def dump_relpath(seq: int, slot: str, capture_dir: str = "capture") -> str:
+    """A dump's path in the rank's directory (``capture_dir``: the attempt's capture directory)."""
+    return f"{capture_dir}/tensors/{seq:09d}-{_SLOT_RE.sub('_', slot)}.pt"
 
 
 def serialize(t: torch.Tensor) -> bytes:
@@ -67,9 +68,10 @@ def serialize(t: torch.Tensor) -> bytes:
     return buf.getvalue()
 
 
-def write_dump(rank: int, seq: int, slot: str, data: bytes, env: Mapping[str, str]) -> dict[str, object]:
+def write_dump(rank: int, seq: int, slot: str, data: bytes, env: Mapping[str, str],
+               capture_dir: str = "capture") -> dict[str, object]:
     """Write one dump atomically into this rank's directory; returns the ``dump`` record."""
-    rel = dump_relpath(seq, slot)
+    rel = dump_relpath(seq, slot, capture_dir)
     write_rank_file(rel, data, rank=rank, env=env)
     return {"v": records.VERSION, "kind": "dump", "seq": seq, "slot": slot, "path": rel, "bytes": len(data),
             "sha256": hashlib.sha256(data).hexdigest()}

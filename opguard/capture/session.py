@@ -17,7 +17,7 @@ import socket
 import sys
 import time
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -36,10 +36,10 @@ from opguard.errors import ConfigError
 from opguard.staging.identity import process_identity
 from opguard.staging.layout import (
     CAPTURE_CALLSITES_FILE,
-    CAPTURE_DIRNAME,
     CAPTURE_META_FILE,
     CAPTURE_SOURCES_FILE,
     CAPTURE_TRACE_FILE,
+    capture_dirname,
 )
 from opguard.staging.writers import JsonlWriter, open_jsonl, rank_dir, write_rank_file
 
@@ -74,7 +74,6 @@ def _after_fork_in_parent() -> None:
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child, after_in_parent=_after_fork_in_parent)
 ANY = object()  # an ``inflight`` entry matching its function with any arguments
-TRACE = f"{CAPTURE_DIRNAME}/{CAPTURE_TRACE_FILE}"
 
 
 def _dense(t: torch.Tensor) -> bool:
@@ -288,13 +287,28 @@ class Call:
         self.ids: tuple[frozenset[int], frozenset[int]] | None = None
 
 
+RESTART_ENV = "TORCHELASTIC_RESTART_COUNT"  # torchrun's attempt number (0: the first), set in its workers
+
+
+def restart_count(env: Mapping[str, str]) -> int:
+    """The torchrun attempt this process belongs to (0 without torchrun or on its first attempt)."""
+    raw = env.get(RESTART_ENV, "").strip()
+    if not raw:
+        return 0
+    if not (raw.isascii() and raw.isdigit()) or len(raw) > 9:
+        raise ConfigError(f"{RESTART_ENV}={raw!r} is not a restart count (an integer >= 0)",
+                          f"unset {RESTART_ENV}: torchrun sets it in the processes it starts")
+    return int(raw)
+
+
 class Session:
     def __init__(self, options: CaptureOptions, env: dict[str, str] | None = None) -> None:
         environ = dict(os.environ) if env is None else env
         self.options = options
         self.who = process_identity(environ)  # the writers' and the launcher's resolver (docs/launcher.md §1)
         self.rank = self.who.rank
-        self.dir = rank_dir(self.rank, environ) / CAPTURE_DIRNAME
+        self.restart = restart_count(environ)  # torchrun's restarted attempts each have their own directory
+        self.dir = rank_dir(self.rank, environ) / capture_dirname(self.restart)
         if (self.dir / CAPTURE_META_FILE).exists():
             raise ConfigError(f"{self.dir} already holds a capture (meta.json): traces of two runs, or of two "
                               f"processes that both resolved to rank {self.rank}, would mix",
@@ -374,7 +388,8 @@ class Session:
         self.ops_recorded = 0
         self.max_step = 0
         self.started_at = time.time()
-        self.writer: JsonlWriter = open_jsonl(TRACE, rank=self.rank, env=environ, rotate_bytes=SEGMENT_BYTES)
+        self.writer: JsonlWriter = open_jsonl(f"{self.dir.name}/{CAPTURE_TRACE_FILE}", rank=self.rank, env=environ,
+                                                  rotate_bytes=SEGMENT_BYTES)
         self.pid = os.getpid()
         self.forks = 0  # processes forked from this one while capturing (not captured)
         self._write_meta(final=False)
@@ -1248,7 +1263,7 @@ class Session:
                 self.busy -= 1
             if not self._account(len(data)):
                 return
-            rec = dumps.write_dump(self.rank, seq, slot, data, self.env)
+            rec = dumps.write_dump(self.rank, seq, slot, data, self.env, self.dir.name)
             self._write_line(records.encode(rec), accounted=False)
 
     # ---- fetching and writing -----------------------------------------------------------------
@@ -1415,7 +1430,7 @@ class Session:
 
     def _write_atomic(self, name: str, obj: dict[str, Any]) -> None:
         data = json.dumps(obj, indent=1, allow_nan=False).encode() + b"\n"
-        write_rank_file(f"capture/{name}", data, rank=self.rank, env=self.env)
+        write_rank_file(f"{self.dir.name}/{name}", data, rank=self.rank, env=self.env)
         self._file_sizes[name] = len(data)
         self._tables_bytes = sum(self._file_sizes.values())
 
@@ -1440,7 +1455,8 @@ class Session:
                        else ("torch.hash_tensor" if self.options.digest == "xor" else None), "sample": SAMPLE},
             "host_kernel": "native" if self.host is not None else "torch",
             "options": self.options.as_json(), "records": self.records, "segments": self.writer.segment + 1,
-            "cap_reached": self.cap_reached, "dropped": self.dropped, "trace": TRACE,
+            "cap_reached": self.cap_reached, "dropped": self.dropped,
+            "trace": f"{self.dir.name}/{CAPTURE_TRACE_FILE}", "restart": self.restart,
             "step_source": self.step_source, "notes": self.notes + self._failure_notes(),
             "fast_path_off": self.fast_path_off, "record_noise": self.options.record_noise}
         if self.wrappers.found:

@@ -59,6 +59,7 @@ from opguard.staging.layout import (
     NODE_COPY_DIRNAME,
     SOURCE_COPY_MAX_BYTES,
     capture_dump_slot,
+    parse_capture_dirname,
 )
 from opguard.staging.names import parse_rank_stream, printable
 from opguard.staging.writers import parse_segment
@@ -335,24 +336,32 @@ def read_regular(path: Path | str, limit: int, follow: bool = False) -> bytes | 
 def _capture_streams(run: Run, ranks_dir: Path) -> None:
     for rank_dir in sorted(ranks_dir.iterdir()):
         rank_or_none = parse_rank_stream(rank_dir.name)
-        cap = rank_dir / CAPTURE_DIRNAME
-        if rank_or_none is None or not (cap / CAPTURE_TRACE_FILE).exists():
+        if rank_or_none is None or not (rank_dir / CAPTURE_DIRNAME / CAPTURE_TRACE_FILE).exists():
             if rank_or_none is not None and rank_dir.is_dir():
                 run.skipped.append(rank_dir.name)
             continue
-        trace = cap / CAPTURE_TRACE_FILE
-        if trace.is_symlink() or not trace.is_file():  # a link, FIFO or device: never read
-            raise ConfigError(f"{trace} is not a regular file (a link, FIFO or device)",
-                              "pass a trace directory written by opguard capture, or restore it with "
-                              "opguard materialize (which writes regular files only)")
-        rank = rank_or_none
-        meta_notes: list[str] = []
-        collapsed, arg_names = _check_meta(cap / CAPTURE_META_FILE, rank, meta_notes)
-        segs = _segments([p for p in cap.iterdir() if p.is_file() and not p.is_symlink()]).get(str(trace), [])
-        run.streams[(rank, CAPTURE_STREAM)] = Stream(KIND_CAPTURE, rank, CAPTURE_STREAM, segs,
-                                                     _capture_sources(rank_dir), rank_dir,
-                                                     meta_notes=meta_notes, collapsed=collapsed,
-                                                     arg_names=arg_names)
+        # torchrun's restarted attempts (docs/capture.md §2): each its own stream, named by its directory
+        attempts = sorted((n, p.name) for p in rank_dir.iterdir()
+                          if (n := parse_capture_dirname(p.name)) is not None and (p / CAPTURE_TRACE_FILE).exists())
+        for _, name in attempts:
+            _capture_stream(run, rank_dir, rank_or_none, name)
+
+
+def _capture_stream(run: Run, rank_dir: Path, rank: int, dirname: str) -> None:
+    """The stream of one capture directory of ``rank_dir`` (``capture``, ``capture.restart-<k>``)."""
+    cap = rank_dir / dirname
+    trace = cap / CAPTURE_TRACE_FILE
+    if trace.is_symlink() or not trace.is_file():  # a link, FIFO or device: never read
+        raise ConfigError(f"{trace} is not a regular file (a link, FIFO or device)",
+                          "pass a trace directory written by opguard capture, or restore it with "
+                          "opguard materialize (which writes regular files only)")
+    meta_notes: list[str] = []
+    collapsed, arg_names = _check_meta(cap / CAPTURE_META_FILE, rank, meta_notes)
+    segs = _segments([p for p in cap.iterdir() if p.is_file() and not p.is_symlink()]).get(str(trace), [])
+    stream = CAPTURE_STREAM if dirname == CAPTURE_DIRNAME else dirname
+    run.streams[(rank, stream)] = Stream(KIND_CAPTURE, rank, stream, segs, _capture_sources(rank_dir, dirname),
+                                         rank_dir, meta_notes=meta_notes, collapsed=collapsed,
+                                         arg_names=arg_names)
 
 
 def _check_meta(path: Path, rank: int, notes: list[str]
@@ -394,13 +403,13 @@ _MAX_COLLAPSED = 4096
 _MAX_POSITIONAL = 256  # positional parameter names kept per function (meta.json arg_names)
 
 
-def _capture_sources(rank_dir: Path) -> SourceCopies:
+def _capture_sources(rank_dir: Path, dirname: str = CAPTURE_DIRNAME) -> SourceCopies:
     """Copies of the files in capture/sources.json (docs/capture.md §9) found in the rank's ``_node/``
     (restored node metadata), matched by name and SHA-256, or else the listed file itself while its
     SHA-256 is still the recorded one (docs/compare.md §2)."""
     index = SourceCopies()
     try:
-        data = read_json_nofollow(rank_dir / CAPTURE_DIRNAME / CAPTURE_SOURCES_FILE, TABLE_MAX_BYTES)
+        data = read_json_nofollow(rank_dir / dirname / CAPTURE_SOURCES_FILE, TABLE_MAX_BYTES)
     except (OSError, ValueError, RecursionError):
         return index
     wanted: dict[str, tuple[str, str]] = {}

@@ -208,7 +208,7 @@ def add_capture_sources(node_dir: Path, ranks_dir: Path) -> tuple[int, list[str]
         files[key] = {"path": path, "sha256": digest, "copy": None, "error": why}
         problems.append(f"{path} was not copied into the node metadata: {why}")
 
-    for sources in sorted(ranks_dir.glob(f"*/{CAPTURE_DIRNAME}/{CAPTURE_SOURCES_FILE}")):
+    for sources in sorted(ranks_dir.glob(f"*/{CAPTURE_DIRNAME}*/{CAPTURE_SOURCES_FILE}")):  # restarts too
         try:
             doc = json.loads(sources.read_text())
         except (OSError, ValueError) as e:

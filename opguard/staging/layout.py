@@ -33,6 +33,23 @@ CAPTURE_META_FILE = "meta.json"
 CAPTURE_TRACE_FILE = "trace.jsonl"
 CAPTURE_CALLSITES_FILE = "callsites.json"
 CAPTURE_SOURCES_FILE = "sources.json"
+# a restarted attempt's capture (torchrun --max-restarts: TORCHELASTIC_RESTART_COUNT=k > 0) beside it
+CAPTURE_RESTART_PREFIX = CAPTURE_DIRNAME + ".restart-"
+
+
+def capture_dirname(restart: int) -> str:
+    """The capture directory of a rank's attempt ``restart`` (0: the first attempt)."""
+    return CAPTURE_DIRNAME if restart <= 0 else f"{CAPTURE_RESTART_PREFIX}{restart}"
+
+
+def parse_capture_dirname(name: str) -> int | None:
+    """The attempt a capture directory name belongs to (:func:`capture_dirname`'s inverse), or None."""
+    if name == CAPTURE_DIRNAME:
+        return 0
+    rest = name[len(CAPTURE_RESTART_PREFIX):] if name.startswith(CAPTURE_RESTART_PREFIX) else ""
+    if rest.isascii() and rest.isdigit() and not rest.startswith("0") and len(rest) <= 9:
+        return int(rest)
+    return None
 
 
 def capture_dump_slot(slot: str, output: bool) -> str:

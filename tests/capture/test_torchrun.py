@@ -200,3 +200,38 @@ def test_opguard_run_capture_rejects_bad_options_before_starting(tmp_path: Path)
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "OPGUARD_CAPTURE_DIGEST" in r.stderr, r.stderr
     assert not marker.exists()
+
+
+_RESTARTING = """import os
+import torch
+x = torch.ones(2) * float(os.environ["TORCHELASTIC_RESTART_COUNT"])
+if os.environ["TORCHELASTIC_RESTART_COUNT"] == "0":
+    raise RuntimeError("the first attempt fails")
+print("attempt", os.environ["TORCHELASTIC_RESTART_COUNT"], x.sum().item(), flush=True)
+"""
+
+
+def test_a_restarted_torchrun_attempt_captures_into_its_own_directory(tmp_path: Path) -> None:
+    """``torchrun --max-restarts=1`` restarts its workers after a failure: under capture every
+    restarted worker refused to start (its rank directory already held attempt 0's capture), so a
+    job that succeeds without capture failed with it (hand test). Attempt k > 0
+    (TORCHELASTIC_RESTART_COUNT) now captures into ``capture.restart-<k>`` beside ``capture``, and
+    compare reads each attempt as its own stream."""
+    app = tmp_path / "restarting.py"
+    app.write_text(_RESTARTING)
+    cmd = [TORCHRUN, "--standalone", "--nproc-per-node=1", "--max-restarts=1", str(app)]
+    plain = run_plain(cmd, clean_env())
+    base = tmp_path / "traces"
+    cap = run([str(BIN / "opguard-run"), "--capture", *cmd], {**clean_env(), "OPGUARD_TRACE_OUTPUT_BASE": str(base)})
+    assert plain.stdout == cap.stdout == "attempt 1 2.0\n"
+    rank = base / "ranks" / "rank-000000"
+    metas = {d.name: json.loads((d / "meta.json").read_text()) for d in rank.iterdir() if d.name.startswith("capture")}
+    assert {n: (m["restart"], m["trace"]) for n, m in metas.items()} == {
+        "capture": (0, "capture/trace.jsonl"), "capture.restart-1": (1, "capture.restart-1/trace.jsonl")}
+    first, second = ops(read_trace(rank / "capture")), ops(read_trace(rank / "capture.restart-1"))
+    assert [r["fn"] for r in first] == ["torch.ones", "Tensor.mul"]
+    assert [r["fn"] for r in second] == ["torch.ones", "Tensor.mul", "Tensor.sum", "Tensor.item"]
+    p = subprocess.run([str(BIN / "opguard"), "compare", str(base), str(base), "-o", str(tmp_path / "v.pftrace")],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert "rank 0 [capture]: A 2 ops" in p.stderr and "rank 0 [capture.restart-1]: A 4 ops" in p.stderr, p.stderr
