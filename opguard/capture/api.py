@@ -23,7 +23,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 from opguard.capture.collectives import Collectives, collectives
 from opguard.capture.compiles import CompileWindows
 from opguard.capture.dispatch import AtenMode, tag_outputs
-from opguard.capture.fused import FUSED_TYPES, FusedModules, may_take_fast_path
+from opguard.capture.fused import FusedModules, candidate, may_take_fast_path
 from opguard.capture.futures import FutureCallbacks
 from opguard.capture.mode import CaptureMode
 from opguard.capture.optim import OptimizerSteps
@@ -221,7 +221,7 @@ class ModulePaths:
             fused.settle(caller)  # a fused forward left without its post-hook
         try:
             p = self.path(m)
-            if fused is not None and fused.open is None and not m.training and type(m) in FUSED_TYPES:
+            if fused is not None and fused.open is None and candidate(m):
                 kwargs = _call_kwargs()
                 if may_take_fast_path(m, args, kwargs):
                     fused.begin(m, p, args, kwargs, caller)
@@ -254,8 +254,9 @@ class ModulePaths:
             return
         fused = self.fused
         if fused is not None and fused.open is not None and fused.open.module is m:
-            # PyTorch runs this hook (always_call) with None when the forward raised
-            fused.end(m, out, error="the forward raised" if out is None else None)
+            # PyTorch runs this hook (always_call) with None from its except clause when the forward raised
+            err = sys.exc_info()[1] if out is None else None
+            fused.end(m, out, error=None if err is None else f"the forward raised {type(err).__name__}: {err}")
         if self.running and self.running[-1] is m:
             self.running.pop()
             self.frames.pop()

@@ -35,15 +35,11 @@ from typing import Any
 
 import torch
 
-from opguard.capture import records
+from opguard.capture import modestack, records
 from opguard.capture.mode import tensors_in
 from opguard.capture.session import Call, Session
 
-_no_modes = torch._C.DisableTorchFunction  # capture's own tensor reads skip the modes
-_stack_len = torch._C._len_torch_function_stack
-_stack_at = torch._C._get_function_stack_at
-_pop_mode = torch._C._pop_torch_function_stack
-_push_mode = torch._C._push_on_torch_function_stack
+_no_modes = torch._C.DisableTorchFunction  # capture's own tensor reads skip the modes (the program's too)
 
 FUSED_TYPES = (torch.nn.TransformerEncoder, torch.nn.TransformerEncoderLayer, torch.nn.MultiheadAttention)
 
@@ -56,51 +52,94 @@ def fast_path_enabled() -> bool:
         return True
 
 
-def _float_mask(args: Any, kwargs: dict[str, Any]) -> bool:
-    """Whether an ``nn.MultiheadAttention`` call has a floating-point ``key_padding_mask`` or
-    ``attn_mask`` (positions 3 and 5 of its forward, or keywords), which PyTorch's fast path refuses."""
-    masks = [kwargs.get("key_padding_mask"), kwargs.get("attn_mask")]
-    if isinstance(args, tuple):
-        masks += [args[i] for i in (3, 5) if len(args) > i]
-    return any(isinstance(t, torch.Tensor) and torch.is_floating_point(t) for t in masks)
+def _arg(args: Any, kwargs: dict[str, Any], i: int, name: str) -> Any:
+    """Argument ``name`` of a module call, ``i``-th positional or by keyword."""
+    if isinstance(args, tuple) and len(args) > i:
+        return args[i]
+    return kwargs.get(name)
+
+
+def _float(t: Any) -> bool:
+    return isinstance(t, torch.Tensor) and torch.is_floating_point(t)
+
+
+def _needs_grad(tensors: list[Any]) -> bool:
+    return torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
+
+
+def candidate(m: torch.nn.Module) -> bool:
+    """A module whose fast path capture checks further (its keyword arguments read only then):
+    an instance of FUSED_TYPES in eval mode (an encoder: its first layer)."""
+    if not isinstance(m, FUSED_TYPES):
+        return False
+    if isinstance(m, torch.nn.TransformerEncoder):
+        return bool(len(m.layers)) and not m.layers[0].training
+    return not m.training
 
 
 def may_take_fast_path(m: torch.nn.Module, args: Any, kwargs: dict[str, Any]) -> bool:
-    """Whether PyTorch may run ``m`` (one of FUSED_TYPES) on its fast path: the conditions it checks
-    before the torch function modes, as far as the global hook sees them — eval mode, the fast path
-    on, a 3-d first argument, autograd off or nothing requiring grad, batch-first attention (for an
-    attention module: self-attention without a floating-point mask). Where PyTorch then refuses for
-    another reason, the module runs its standard path exactly as it does without capture."""
-    if m.training or not fast_path_enabled():
+    """Whether PyTorch may run ``m`` (an instance of FUSED_TYPES) on a fast path: the conditions it
+    checks besides the torch function modes, the ones capture cannot know exactly (mask contents,
+    dtypes, devices) left out — so this holds wherever PyTorch takes the path without capture, and
+    where it then refuses for another reason the module runs its standard path exactly as it does
+    without capture. Read under no torch function mode (none of the program's modes sees it). A
+    module with forward pre-hooks of its own (which can reshape the input) is not judged by its input."""
+    if not fast_path_enabled():
         return False
-    tensors = [a for a in args if isinstance(a, torch.Tensor)] if isinstance(args, tuple) else []
-    if not tensors or tensors[0].dim() != 3:
-        return False
-    if torch.is_grad_enabled() and (any(t.requires_grad for t in tensors)
-                                    or any(p.requires_grad for p in m.parameters())):
-        return False
-    if isinstance(m, torch.nn.MultiheadAttention):
-        return bool(m.batch_first and len(tensors) >= 3 and tensors[0] is tensors[1] is tensors[2]
-                    and not _float_mask(args, kwargs))
-    layer = m.layers[0] if isinstance(m, torch.nn.TransformerEncoder) and len(m.layers) else m
-    return bool(getattr(getattr(layer, "self_attn", None), "batch_first", False))
+    with _no_modes():
+        hooked = bool(getattr(m, "_forward_pre_hooks", None))
+        if isinstance(m, torch.nn.MultiheadAttention):
+            q, k, v = _arg(args, kwargs, 0, "query"), _arg(args, kwargs, 1, "key"), _arg(args, kwargs, 2, "value")
+            if not isinstance(q, torch.Tensor) or m.training or not m.batch_first:
+                return False
+            if not hooked and (q.dim() != 3 or not (q is k is v)):
+                return False
+            if (m.bias_k is not None or m.bias_v is not None or m.add_zero_attn or not m._qkv_same_embed_dim
+                    or m.in_proj_weight is None or m.num_heads % 2 or torch.is_autocast_enabled()):
+                return False
+            if _float(_arg(args, kwargs, 3, "key_padding_mask")) or _float(_arg(args, kwargs, 5, "attn_mask")):
+                return False
+            return not _needs_grad([q, k, v, *m.parameters()])
+        src = _arg(args, kwargs, 0, "src")
+        if not isinstance(src, torch.Tensor):
+            return False
+        if isinstance(m, torch.nn.TransformerEncoder):
+            # its nested-tensor conversion: PyTorch judges it by the first layer (the layers then judge
+            # themselves, each at its own call)
+            if not len(m.layers) or not getattr(m, "use_nested_tensor", False):
+                return False
+            layer = m.layers[0]
+            if (layer.training or _arg(args, kwargs, 2, "src_key_padding_mask") is None
+                    or _arg(args, kwargs, 1, "mask") is not None or torch.is_autocast_enabled()):
+                return False
+            if not hooked and src.dim() != 3:
+                return False
+            return not _needs_grad([src, *layer.parameters()])
+        attn = getattr(m, "self_attn", None)
+        if m.training or attn is None or not attn.batch_first or (not hooked and src.dim() != 3):
+            return False
+        return not _needs_grad([src, *m.parameters()])
 
 
 def _config(m: torch.nn.Module) -> list[tuple[str, Any]]:
-    """(slot, value) of what configures ``m``'s computation beyond its tensors."""
+    """(slot, value) of what configures ``m``'s computation beyond its tensors (``<name>``: a
+    submodule's name inside ``m``, the class name for ``m`` itself)."""
     out: list[tuple[str, Any]] = []
     for name, sub in m.named_modules():
+        label = f"config.{name or type(m).__name__}"
         rep = sub.extra_repr()
         if rep:
-            out.append((f"config.{name or type(m).__name__}", rep))
-        if isinstance(sub, torch.nn.TransformerEncoderLayer):
+            out.append((label, rep))
+        if isinstance(sub, torch.nn.TransformerEncoder):
+            for key in ("enable_nested_tensor", "use_nested_tensor", "mask_check"):
+                out.append((f"{label}.{key}", getattr(sub, key, None)))
+        elif isinstance(sub, torch.nn.TransformerEncoderLayer):
             act = sub.activation
-            out.append((f"config.{name or 'layer'}.norm_first", sub.norm_first))
-            out.append((f"config.{name or 'layer'}.activation",
-                        getattr(act, "__name__", None) or type(act).__name__))
+            out.append((f"{label}.norm_first", sub.norm_first))
+            out.append((f"{label}.activation", getattr(act, "__name__", None) or type(act).__name__))
         elif isinstance(sub, torch.nn.MultiheadAttention):
-            out.append((f"config.{name or 'attn'}.num_heads", sub.num_heads))
-            out.append((f"config.{name or 'attn'}.batch_first", sub.batch_first))
+            out.append((f"{label}.num_heads", sub.num_heads))
+            out.append((f"{label}.batch_first", sub.batch_first))
     return out
 
 
@@ -110,7 +149,7 @@ class Fused:
 
     module: torch.nn.Module
     frame: FrameType | None  # the frame that ran its hooks (PyTorch's Module._call_impl)
-    popped: Any = None  # capture's mode, off the stack until the forward ends
+    taken: modestack.Taken | None = None  # capture's mode, off the stack until the forward ends
     call: Call | None = None
 
 
@@ -127,10 +166,10 @@ class FusedModules:
         """Take ``m``'s forward off capture's mode and begin its record; False when it runs as any
         other module (not the innermost mode: another mode would refuse the fast path without
         capture too)."""
-        if self.open is not None or not (_stack_len() and _stack_at(_stack_len() - 1) is self.mode):
+        if self.open is not None or not modestack.innermost(self.mode):
             return False
         f = Fused(m, caller)
-        f.popped = _pop_mode()
+        f.taken = modestack.take_off(self.mode)
         self.open = f
         s = self.session
         if not s.active:
@@ -175,9 +214,9 @@ class FusedModules:
         if f is None or f.module is not m:
             return
         self.open = None
-        if f.popped is not None:
-            _push_mode(f.popped)
-            f.popped = None
+        if f.taken is not None:
+            modestack.put_back(f.taken)
+            f.taken = None
         call = f.call
         if call is None:
             return

@@ -41,15 +41,11 @@ from typing import Any
 
 import torch
 
-from opguard.capture import records
+from opguard.capture import modestack, records
 from opguard.capture.session import Call, Session
 
 _compiling = torch.compiler.is_dynamo_compiling
 _no_modes = torch._C.DisableTorchFunction  # capture's own tensor reads skip the modes (and their cost)
-_stack_len = torch._C._len_torch_function_stack
-_stack_at = torch._C._get_function_stack_at
-_pop_mode = torch._C._pop_torch_function_stack
-_push_mode = torch._C._push_on_torch_function_stack
 _profiler = torch.ops.profiler
 # the ops of torch.autograd.profiler.record_function (PyTorch wraps every Optimizer.step() in one)
 RANGE_ENTER = frozenset({_profiler._record_function_enter_new, _profiler._record_function_enter})
@@ -73,7 +69,7 @@ class OpenStep:
         self.params: list[tuple[str, torch.Tensor]] = []
         self.ranges = 0  # record_function ranges opened inside the step and not closed yet
         self.frame: FrameType | None = None  # PyTorch's step wrapper, running the step
-        self.popped: Any = None  # capture's function mode, while off the stack for the step
+        self.popped: modestack.Taken | None = None  # capture's function mode, while off the stack for the step
 
     def profiler_op(self, func: Any) -> None:
         """A profiler op seen while the step runs: the close of the step's own range before the
@@ -123,8 +119,8 @@ class OptimizerSteps:
         s.quiet = step
         caller = sys._getframe(1)
         step.frame = caller
-        if self.mode is not None and _stack_len() and _stack_at(_stack_len() - 1) is self.mode:
-            step.popped = _pop_mode()
+        if self.mode is not None:
+            step.popped = modestack.take_off(self.mode)
         if not s.active:
             return
         s.busy += 1
@@ -183,7 +179,7 @@ class OptimizerSteps:
         self.settle()
         step = self.session.quiet
         if isinstance(step, OpenStep) and step.popped is not None:
-            _push_mode(step.popped)
+            modestack.put_back(step.popped)
             step.popped = None
 
     def end(self, step: OpenStep, error: str | None = None) -> None:
@@ -193,7 +189,7 @@ class OptimizerSteps:
             s.quiet = None
         step.frame = None
         if step.popped is not None:
-            _push_mode(step.popped)
+            modestack.put_back(step.popped)
             step.popped = None
         call = step.call
         if call is None:  # not recorded (a filter left it out): what it wrote is still seen (§5.3)

@@ -996,8 +996,15 @@ class Session:
                 shard["local_shape"] = list(local.shape)
                 shard["placements"] = [str(p) for p in getattr(t, "placements", ())]
                 return shard
-        e: dict[str, Any] = {"slot": slot, "dtype": records.dtype_name(t.dtype), "shape": list(t.shape),
-                             "device": records.device_name(t.device), "digest": None}
+        e: dict[str, Any]
+        if t.is_nested and t.layout == torch.strided:  # no single shape (nor one memory block to digest)
+            e = {"slot": slot, "dtype": records.dtype_name(t.dtype), "shape": None,
+                 "device": records.device_name(t.device), "digest": None, "reason": "nested tensor"}
+            if output:
+                e["stats"] = None
+            return e
+        e = {"slot": slot, "dtype": records.dtype_name(t.dtype), "shape": list(t.shape),
+             "device": records.device_name(t.device), "digest": None}
         if uninitialized or (self._uninit and not output and self._still_uninitialized(t)):
             e["uninitialized"] = True  # its content is whatever the allocator left: never summarised
             e["reason"] = "uninitialized memory"

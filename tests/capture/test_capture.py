@@ -259,7 +259,7 @@ def test_an_attention_that_may_take_the_fast_path_keeps_it_as_one_record(out_env
         assert [i["slot"] for i in r["inputs"]][:4] == ["arg0", "arg1", "arg2", "attn_mask"]
         assert {"in_proj_weight", "out_proj.weight"} <= {i["slot"] for i in r["inputs"]}
         assert {"slot": "need_weights", "type": "bool", "value": False} in r["args"]
-        assert {"slot": "config.attn.num_heads", "type": "int", "value": 2} in r["args"]
+        assert {"slot": "config.MultiheadAttention.num_heads", "type": "int", "value": 2} in r["args"]
         assert [o["slot"] for o in r["outputs"]] == ["out.0"]
     else:
         assert not fused and "torch.nn.functional.multi_head_attention_forward" in {r["fn"] for r in recs}
@@ -1776,3 +1776,105 @@ def test_a_module_that_calls_itself_keeps_its_path(out_env: dict[str, str]) -> N
         net(x)
     mods = [r["module"] for r in ops(read_trace(cap.path)) if r["fn"] == "torch.nn.functional.linear"]
     assert mods == ["Sequential.0.lin"] * 4, mods
+
+
+class _MyEncoder(torch.nn.TransformerEncoder):
+    pass
+
+
+def _fused_case(case: str) -> tuple[Any, Any]:
+    """(module, call) of one fast-path case (hand tests that broke the first version)."""
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(8, 2, dim_feedforward=16, batch_first=True)
+    cls = _MyEncoder if case == "subclass" else torch.nn.TransformerEncoder
+    enc = cls(layer, 2, enable_nested_tensor=True).eval()
+    x = torch.randn(2, 5, 8)
+    pad = torch.tensor([[False] * 5, [False, False, False, True, True]])
+    if case == "keywords":
+        return enc, lambda: enc(src=x, src_key_padding_mask=pad)
+    if case == "mha_keywords":
+        mha = torch.nn.MultiheadAttention(8, 2, batch_first=True).eval()
+        return mha, lambda: mha(query=x, key=x, value=x, need_weights=False)[0]
+    if case == "layers_eval":  # PyTorch judges the encoder's conversion by its first layer
+        enc.train()
+        enc.layers.eval()
+    if case == "grad_first_layer_frozen":
+        enc.layers[0].requires_grad_(False)
+    return enc, lambda: enc(x, src_key_padding_mask=pad)
+
+
+@pytest.mark.parametrize("case", ["keywords", "mha_keywords", "subclass", "layers_eval", "grad_first_layer_frozen"])
+def test_fast_path_decisions_follow_pytorch_s(out_env: dict[str, str], case: str) -> None:
+    """Where capture judged the fast path otherwise than PyTorch does — the input by keyword, a
+    subclass, an encoder in training mode with its layers in eval, grad needed only past the first
+    layer — the module ran its standard path under capture and the fast path without (padded
+    positions computed instead of zeros, or other last bits; hand test)."""
+    _, call = _fused_case(case)
+    if case == "grad_first_layer_frozen":  # PyTorch's fast path then fails in MultiheadAttention: so must capture's
+        with pytest.raises(AssertionError) as plain_err:
+            call()
+        with oc.capture(env=out_env) as cap, pytest.raises(AssertionError) as got_err:
+            call()
+        assert str(got_err.value) == str(plain_err.value)
+    else:
+        with torch.no_grad():
+            plain = call()
+            with oc.capture(env=out_env) as cap:
+                got = call()
+        assert torch.equal(plain.view(torch.int32), got.view(torch.int32))
+    recs = ops(read_trace(cap.path))
+    assert [r["api"] for r in recs][:1] == ["module"], [(r["api"], r["fn"]) for r in recs][:3]
+
+
+def test_the_fast_path_check_is_unseen_by_the_program_s_mode_and_keeps_its_mode_stack(out_env: dict[str, str]) -> None:
+    """Capture's fast-path check read the input's ``dim()`` through the program's own torch function
+    modes (a counting mode saw extra calls); and a mode the program entered in a module's pre-hook
+    and left in its post-hook popped capture's mode instead of its own (capture's mode was put back
+    on top): the program's mode stayed on, and nothing more was recorded (hand tests)."""
+    from torch.overrides import TorchFunctionMode
+
+    class Count(TorchFunctionMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.n = 0
+
+        def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            self.n += 1
+            return func(*args, **(kwargs or {}))
+
+    enc, call = _fused_case("plain")
+    with torch.no_grad():
+        with Count() as c:
+            call()
+        plain = c.n
+        with oc.capture(env=out_env) as cap:
+            with Count() as c:
+                call()
+            assert c.n == plain
+            entered = Count()
+            h1 = enc.register_forward_pre_hook(lambda *a: (entered.__enter__(), None)[1])
+            h2 = enc.register_forward_hook(lambda *a: entered.__exit__(None, None, None))
+            call()
+            h1.remove()
+            h2.remove()
+            assert torch._C._len_torch_function_stack() == 1  # capture's mode alone, the program's left
+            torch.ones(2).sum()
+    assert [r["fn"] for r in ops(read_trace(cap.path))][-2:] == ["torch.ones", "Tensor.sum"]
+
+
+def test_a_fused_record_says_what_raised_and_a_nested_tensor_entry_why(out_env: dict[str, str],
+                                                                     capfd: pytest.CaptureFixture[str]) -> None:
+    enc, _ = _fused_case("plain")
+    x = torch.randn(2, 5, 8)
+    nt = torch.nested.nested_tensor([torch.ones(4, 8), torch.ones(2, 8)])
+    with torch.no_grad(), oc.capture(env=out_env) as cap:
+        with pytest.raises(RuntimeError):
+            enc(x, src_key_padding_mask=torch.zeros(3, 3, dtype=torch.bool))
+        nt.to_padded_tensor(0.0)
+    recs = ops(read_trace(cap.path))
+    fused = next(r for r in recs if r["api"] == "module")
+    assert fused["error"].startswith("the forward raised RuntimeError: "), fused["error"]
+    assert {"slot": "config.TransformerEncoder.use_nested_tensor", "type": "bool", "value": True} in fused["args"]
+    pad = next(r for r in recs if r["fn"] == "Tensor.to_padded_tensor")
+    assert pad["inputs"][0]["reason"] == "nested tensor" and pad["inputs"][0]["shape"] is None
+    assert "failed" not in capfd.readouterr().err
