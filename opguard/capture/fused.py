@@ -121,6 +121,10 @@ def may_take_fast_path(m: torch.nn.Module, args: Any, kwargs: dict[str, Any]) ->
         return not _needs_grad([src, *m.parameters()])
 
 
+# a module's own hook tables (forward, pre-forward, backward, pre-backward)
+_MODULE_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+
+
 def _config(m: torch.nn.Module) -> list[tuple[str, Any]]:
     """(slot, value) of what configures ``m``'s computation beyond its tensors (``<name>``: a
     submodule's name inside ``m``, the class name for ``m`` itself)."""
@@ -130,6 +134,9 @@ def _config(m: torch.nn.Module) -> list[tuple[str, Any]]:
         rep = sub.extra_repr()
         if rep:
             out.append((label, rep))
+        hooks = sum(len(getattr(sub, h, None) or ()) for h in _MODULE_HOOKS)
+        if hooks:  # the program's own hooks run inside the record, unrecorded
+            out.append((f"{label}.hooks", hooks))
         if isinstance(sub, torch.nn.TransformerEncoder):
             for key in ("enable_nested_tensor", "use_nested_tensor", "mask_check"):
                 out.append((f"{label}.{key}", getattr(sub, key, None)))

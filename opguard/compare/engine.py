@@ -45,6 +45,7 @@ from opguard.compare.summary import (
     COLLECTIVE_DIFFERS,
     FUNCTION_DIFFERS_KIND,
     INHERITED,
+    MODULE_DIFFERS,
     OUTPUTS_DIFFER,
     RANDOM_DIFFERS,
     REORDERED,
@@ -562,7 +563,9 @@ def _run_rows(job: _Job, r0: int, r1: int, writer: ExportWriter) -> _Chunk:
             if d.status == MISMATCH:
                 kind = (FUNCTION_DIFFERS_KIND if d.function and d.inputs_equal else ARGS_DIFFER if d.args else
                         (COLLECTIVE_DIFFERS if ra.collective or rb.collective else
-                         RANDOM_DIFFERS if ra.seeded or rb.seeded else OUTPUTS_DIFFER) if d.inputs_equal else
+                         RANDOM_DIFFERS if ra.seeded or rb.seeded else
+                         MODULE_DIFFERS if ra.whole_module or rb.whole_module else
+                         OUTPUTS_DIFFER) if d.inputs_equal else
                         REORDERED if d.reordered else UNSEEN_INPUTS + ", ".join(d.unseen) if d.unseen else INHERITED)
                 fm = FirstMismatch(rid_a.decode("utf-8", "surrogatepass"), rid_b.decode("utf-8", "surrogatepass"),
                                    ra.function, _where(ra), d.fields, d.numeric, out.unresolved,

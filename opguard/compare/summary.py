@@ -19,6 +19,9 @@ RANDOM_DIFFERS = ("outputs differ, inputs and arguments equal, in a random draw 
 # rank's data is the likely why
 COLLECTIVE_DIFFERS = ("outputs differ, inputs and arguments equal, in a collective (what this rank received differs: "
                       "another rank sent or contributed other data; see the other ranks' first divergences)")
+# the same for a module recorded as one call (capture's api "module"): what it ran inside is not recorded
+MODULE_DIFFERS = ("outputs differ, inputs and arguments equal, in a module recorded as one call (the calls inside "
+                  "it, its submodules' hooks included, were not recorded: the difference was computed there)")
 INHERITED = "inputs differ (inherited)"
 # inputs equal where recorded, but one or more had no recorded content: the outputs can differ from there
 UNSEEN_INPUTS = "outputs differ, inputs equal where recorded; not recorded, so the difference can come from there: "

@@ -667,3 +667,31 @@ def test_the_first_call_one_run_does_not_make_is_the_earliest(tmp_path: Path) ->
     assert first_b == "B/rank0/capture/8" and first_a == "A/rank0/capture/9", (first_a, first_b)
     assert f"({first_b}, no-counterpart-in-segment)" in rank["first_new_in_b"], rank["first_new_in_b"]
     assert f"({first_a}, no-counterpart-in-segment)" in rank["first_missing_in_b"], rank["first_missing_in_b"]
+
+
+def test_a_difference_inside_a_module_recorded_as_one_call_says_so(tmp_path: Path) -> None:
+    """An eval encoder kept on PyTorch's fast path is one record (docs/capture.md §3.13); a
+    program hook inside it whose constant changed made its outputs differ with equal inputs and
+    arguments, read as a kernel computing differently (hand test, LoRA through forward hooks). The
+    kind says the calls inside were not recorded, and the record's configuration counts the hooks."""
+    torch = pytest.importorskip("torch", reason="capture needs torch (pip install torch, CPU build)")
+    import opguard.capture as oc
+
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(8, 2, dim_feedforward=16, batch_first=True)
+    enc = torch.nn.TransformerEncoder(layer, 1, enable_nested_tensor=True).eval()
+    x = torch.randn(2, 5, 8)
+    pad = torch.tensor([[False] * 5, [False, False, False, True, True]])
+    for run, scale in (("a", 2.0), ("b", 3.0)):
+        h = enc.layers[0].linear1.register_forward_hook(lambda m, i, o, s=scale: o * s)
+        with torch.no_grad(), oc.capture(env={"OPGUARD_TRACE_OUTPUT_BASE": str(tmp_path / run)}) as cap:
+            enc(x, src_key_padding_mask=pad)
+        h.remove()
+        rec = next(json.loads(line) for line in (cap.path / "trace.jsonl").read_text().splitlines()
+                   if '"api":"module"' in line)
+        assert {"slot": "config.layers.0.linear1.hooks", "type": "int", "value": 1} in rec["args"], rec["args"]
+    p = run_compare(tmp_path / "a", tmp_path / "b", tmp_path / "v.pftrace", extra=["--json", str(tmp_path / "s.json")])
+    assert p.returncode == 0, p.stderr
+    fd = json.loads((tmp_path / "s.json").read_text())["ranks"][0]["first_divergence"]
+    assert fd["function"] == "torch.nn.TransformerEncoder", fd
+    assert fd["kind"].startswith("outputs differ, inputs and arguments equal, in a module recorded as one call"), fd
