@@ -1559,6 +1559,15 @@ class Session:
                       "code are not recorded one by one (capture is invisible to Dynamo): only the calls around "
                       "them and the library kernels compiled code calls (e.g. torch.addmm), at the compiled "
                       "module's call site; a backend='eager' graph's calls are recorded, at their own lines")
+        try:  # TorchScript (torch.jit.script / trace): functions of the process's compilation unit
+            unit: Any = torch.jit._state._python_cu  # (its stub types get_functions() as returning None)
+            scripted = len(unit.get_functions())
+        except Exception:
+            scripted = 0
+        if scripted:
+            self.note(f"torch.jit: {scripted} TorchScript function(s) (scripted or traced) exist in this process; "
+                      "their calls run as TorchScript graphs and are not recorded (only the calls around them): a "
+                      "difference computed inside one shows first where a recorded call uses its result")
 
     @property
     def path(self) -> Path:

@@ -1878,3 +1878,18 @@ def test_a_fused_record_says_what_raised_and_a_nested_tensor_entry_why(out_env: 
     pad = next(r for r in recs if r["fn"] == "Tensor.to_padded_tensor")
     assert pad["inputs"][0]["reason"] == "nested tensor" and pad["inputs"][0]["shape"] is None
     assert "failed" not in capfd.readouterr().err
+
+
+def _scale(x: torch.Tensor, t: float) -> torch.Tensor:
+    return x * t
+
+
+def test_torchscript_in_the_process_is_noted(out_env: dict[str, str]) -> None:
+    """A TorchScript function's calls are not recorded; an edited argument of one (a scripted
+    post-processing step) showed only as an 'inherited' difference at a later call, with nothing
+    pointing to the scripted call (hand test). meta.json notes now say TorchScript ran."""
+    scripted = torch.jit.script(_scale)
+    with oc.capture(env=out_env) as cap:
+        scripted(torch.ones(2), 0.5).sum()
+    notes = json.loads((cap.path / "meta.json").read_text())["notes"]
+    assert any(n.startswith("torch.jit: ") and "not recorded" in n for n in notes), notes
