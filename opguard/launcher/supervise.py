@@ -389,6 +389,10 @@ class Supervisor:
         self._wake_w = w
         # SIGTERM always starts the drain, forwarded or not
         sigs = set(self.opts.forward) | {signal.SIGTERM} | ({self.opts.warning} if self.opts.warning else set())
+        # ... except a signal whoever started the wrapper ignores (nohup: SIGHUP; a shell's trap '' INT):
+        # it stays ignored for the wrapper and, SIG_IGN surviving exec, for the command (a handler here
+        # would give the command the default action back)
+        sigs = {s for s in sigs if signal.getsignal(s) != signal.SIG_IGN}
         old = [(int(s), signal.signal(s, self._handler)) for s in sigs]
         return r, old
 

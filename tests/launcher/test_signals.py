@@ -352,3 +352,33 @@ def test_a_step_wide_warning_signal_does_not_kill_the_drain(staging_env: dict[st
     local = Path(env["OPGUARD_LOCAL_DUMP_BASE"]) / "ranks" / "rank-000000" / "trace.jsonl"
     restored = restore(env, tmp_path / "restored") / "ranks" / "rank-000000" / "trace.jsonl"
     assert restored.read_bytes() == local.read_bytes()
+
+
+_DISPOSITIONS = ("import json, signal; print(json.dumps({n: str(signal.getsignal(getattr(signal, n))) "
+                 "for n in ('SIGINT', 'SIGHUP', 'SIGTERM', 'SIGQUIT')}))")
+
+
+def _ignoring(*sigs: signal.Signals) -> None:  # preexec: what `nohup` or `trap '' INT` leave the command
+    for s in sigs:
+        signal.signal(s, signal.SIG_IGN)
+
+
+def test_signals_ignored_by_whoever_started_the_wrapper_stay_ignored(staging_env: dict[str, str]) -> None:
+    """``nohup opguard-run ... &`` (or a shell with ``trap '' INT``): the wrapper replaced the
+    inherited SIG_IGN with its forwarding handlers, so the command got the default dispositions back
+    (SIG_IGN survives exec, a handler does not): a SIGHUP killed it where ``nohup python ...`` keeps
+    running, and an ignored SIGINT became a KeyboardInterrupt (hand test). An ignored signal now
+    stays ignored, for the wrapper and the command."""
+    env = {**staging_env, "OPGUARD_LOCAL_DUMP_ENABLED": "0"}
+    pre = functools.partial(_ignoring, signal.SIGINT, signal.SIGHUP, signal.SIGTERM, signal.SIGQUIT)
+    plain = subprocess.run([PY, "-c", _DISPOSITIONS], env=env, capture_output=True, text=True, timeout=60,
+                           preexec_fn=pre)
+    wrapped = subprocess.run([OPGUARD_RUN, PY, "-c", _DISPOSITIONS], env=env, capture_output=True, text=True,
+                             timeout=60, preexec_fn=pre)
+    assert wrapped.returncode == 0, wrapped.stderr
+    assert json.loads(wrapped.stdout) == json.loads(plain.stdout) == dict.fromkeys(
+        ("SIGINT", "SIGHUP", "SIGTERM", "SIGQUIT"), str(signal.SIG_IGN))
+    # and a default disposition is still the wrapper's to forward: the command gets Python's own
+    unset = subprocess.run([OPGUARD_RUN, PY, "-c", _DISPOSITIONS], env=env, capture_output=True, text=True,
+                           timeout=60)
+    assert json.loads(unset.stdout)["SIGINT"] == "<built-in function default_int_handler>", unset.stdout
