@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import signal
 import subprocess
 import time
 from collections.abc import Callable, Sequence
@@ -19,9 +20,18 @@ PY = str(BIN / "python")
 LIVE: list[subprocess.Popen[str]] = []  # wrappers a test started; the conftest kills leftovers
 
 
+def default_signals() -> None:
+    """preexec: the signals the tests send with their default disposition. A test run started in the
+    background by a shell without job control (``.ci/run &``) inherits SIGINT and SIGQUIT ignored,
+    and the wrapper leaves ignored signals ignored (docs/launcher.md §4): it would forward nothing."""
+    for s in (signal.SIGINT, signal.SIGQUIT, signal.SIGHUP, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2):
+        signal.signal(s, signal.SIG_DFL)
+
+
 def spawn(args: Sequence[str], env: dict[str, str]) -> subprocess.Popen[str]:
     """Start ``opguard-run ARGS`` in the background (stdout/stderr captured as text)."""
-    p = subprocess.Popen([OPGUARD_RUN, *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    p = subprocess.Popen([OPGUARD_RUN, *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         preexec_fn=default_signals)
     LIVE.append(p)
     return p
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.launcher.helpers import OPGUARD, OPGUARD_RUN, PY, pid_alive, spawn, wait_for
+from tests.launcher.helpers import OPGUARD, OPGUARD_RUN, PY, default_signals, pid_alive, spawn, wait_for
 
 PROG = str(Path(__file__).parent / "progs" / "sigchild.py")
 
@@ -380,5 +380,5 @@ def test_signals_ignored_by_whoever_started_the_wrapper_stay_ignored(staging_env
         ("SIGINT", "SIGHUP", "SIGTERM", "SIGQUIT"), str(signal.SIG_IGN))
     # and a default disposition is still the wrapper's to forward: the command gets Python's own
     unset = subprocess.run([OPGUARD_RUN, PY, "-c", _DISPOSITIONS], env=env, capture_output=True, text=True,
-                           timeout=60)
+                           timeout=60, preexec_fn=default_signals)
     assert json.loads(unset.stdout)["SIGINT"] == "<built-in function default_int_handler>", unset.stdout
