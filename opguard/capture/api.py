@@ -112,7 +112,6 @@ def _inside_another_step() -> bool:
     return False
 
 
-# modules that take a fused inference fast path only when no torch function mode is active
 _DDP = torch.nn.parallel.DistributedDataParallel  # broadcasts buffers in C++ before its module runs
 
 
