@@ -384,7 +384,6 @@ class Session:
         self._shared: dict[int, weakref.ref[torch.Tensor]] = {}
         self.step_source = "none"  # "marker" once step() was called, "optimizer" once Optimizer.step advanced it
         self.notes: list[str] = []
-        self.fast_path_off: list[str] = []
         self.ops_recorded = 0
         self.max_step = 0
         self.started_at = time.time()
@@ -1465,7 +1464,8 @@ class Session:
             "cap_reached": self.cap_reached, "dropped": self.dropped,
             "trace": f"{self.dir.name}/{CAPTURE_TRACE_FILE}", "restart": self.restart,
             "step_source": self.step_source, "notes": self.notes + self._failure_notes(),
-            "fast_path_off": self.fast_path_off, "record_noise": self.options.record_noise}
+            "fast_path_off": [],  # kept for readers: fused.py keeps modules on their fast path
+            "record_noise": self.options.record_noise}
         if self.wrappers.found:
             meta["collapsed_wrappers"] = self.wrappers.found
         names = self.arg_names.as_json()
