@@ -17,11 +17,14 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from opguard.capture import records
 from opguard.capture.frames import standin
-from opguard.capture.mode import _grew, _split, tensors_in
+from opguard.capture.mode import _grew, _split, tensors_in, unwritten_inputs
 from opguard.capture.session import Call, Session
 
 META_KEY = "opguard"
 _SKIP = frozenset({"detach", "alias", "lift_fresh", "_to_copy"})
+# in-place aten ops that write every element of self (the function level's mode._WRITES_WHOLE)
+_WRITES_WHOLE = frozenset({"copy_", "fill_", "zero_", "normal_", "uniform_", "random_", "bernoulli_",
+                           "exponential_", "geometric_", "cauchy_", "log_normal_"})
 
 
 _VIEWS: dict[Any, bool] = {}  # per overload: it returns a view of an argument (its schema's non-write alias)
@@ -121,6 +124,7 @@ class AtenMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
             return via(func, args, kwargs)
         rec = call.rec
         s.parents.append(rec["seq"])
+        outer, s.aten_op = s.aten_op, func
         try:
             result = via(func, args, kwargs)
         except BaseException as e:
@@ -128,6 +132,7 @@ class AtenMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
             raise
         finally:
             s.parents.pop()
+            s.aten_op = outer
         try:
             if not s.cap_reached:
                 outs = list(tensors_in(result, "out"))
@@ -153,11 +158,20 @@ class AtenMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
                         s.outputs(call, outs, uninitialized=True)
                     else:  # an input object as output (in-place, out=): a write, digested from memory (§5.3)
                         put = rec["outputs"].append
+                        # inputs that were uninitialised memory: a write to part of one leaves the rest
+                        # marked (§3.7); autograd moves the version counter once this op returns
+                        unwritten = unwritten_inputs(ins, rec["inputs"]) if ins else None
                         for slot, t in outs:
-                            put(s.entry(call, slot, t, True, fresh=any(t is x for _, x in ins)))
+                            wrote = any(t is x for _, x in ins)
+                            if wrote and unwritten and id(t) in unwritten:
+                                whole = "out" in kwargs or func._opname in _WRITES_WHOLE
+                                put(s.written_below_autograd(call, slot, t, whole))
+                                continue
+                            put(s.entry(call, slot, t, True, fresh=wrote))
                 finally:
                     s.busy -= 1
         except Exception as err:
             s.failed("recording", err, call)
         s.maybe_flush_contained()
         return result
+

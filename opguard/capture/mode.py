@@ -337,8 +337,11 @@ class CaptureMode(TorchFunctionMode):
                 quiet.profiler_op(func)
             return via(func, args, kwargs)
         if isinstance(func, _OPS) and program_op(func) is None:  # torch.ops (the dispatch level's): not recorded,
-            result = via(func, args, kwargs)  # but what it wrote is seen; the program's own operators are recorded
-            try:
+            seq = s.seq  # but what it wrote is seen; the program's own operators are recorded
+            result = via(func, args, kwargs)
+            if s.seq != seq or s.aten_op is func:  # level=dispatch recorded it (or what it decomposes into):
+                return result  # its writes, marks (a write to part of unwritten memory, §3.7) and cached
+            try:  # contents are done there
                 positions, names = records.op_writes(func)
                 if positions or names:
                     s.written_unrecorded([args[i] for i in positions if i < len(args)]

@@ -369,6 +369,9 @@ class Session:
         self.closed = False
         self.busy = 0  # > 0 while capture itself runs tensor work (the dispatch level ignores it)
         self.quiet: Any = None  # the Optimizer.step() recorded as one record while it runs (optim.OpenStep)
+        # the aten op the dispatch level is recording while it runs (dispatch.AtenMode): its writes and
+        # marks (§3.7) are that record's, not an unrecorded torch.ops call's (mode.CaptureMode.handle)
+        self.aten_op: Any = None
         # (function, first argument or ANY) of the calls being handled, innermost last: the function
         # mode's re-entries and the collective wrappers (mode.py, collectives.py)
         self.inflight: list[tuple[Any, Any]] = []
@@ -673,14 +676,16 @@ class Session:
                 self._uninit.pop(ptr, None)
                 self._drop_storage(region)
 
-    def partly_written(self, t: torch.Tensor, whole: bool) -> None:
+    def partly_written(self, t: torch.Tensor, whole: bool, pending: int = 0) -> None:
         """A recorded call wrote ``t``, uninitialised memory until then (§3.7): all of it (``whole``:
         ``copy_``, ``fill_``, ``out=``, ``t[:] = v``) or only some elements (``t[i] = v``,
         ``index_copy_``, ...). What was not written is still whatever the allocator left: unless the
         call wrote all of the marked tensor itself, the mark stays on it (``t``, or the tensor ``t``
         is a view of), moved to its version after this write. (A write through a view of the first
         row cleared the mark of the whole buffer, and a partial write's ``self`` was digested with
-        its unwritten rows: identical runs compared with false divergences.)"""
+        its unwritten rows: identical runs compared with false divergences.) ``pending``: version
+        bumps still to come for this write (an aten op seen at ``level=dispatch``, below autograd,
+        which moves the version counter after the op returns)."""
         base = t._base if t._base is not None else t
         ptr = _address(base)
         if ptr is None:
@@ -692,7 +697,7 @@ class Session:
             self._uninit.pop(ptr, None)
             return
         try:
-            self._uninit[ptr] = (weakref.ref(base), base._version)
+            self._uninit[ptr] = (weakref.ref(base), base._version + pending)
         except (TypeError, RuntimeError):  # not weakly referenceable; an inference tensor
             return
         while len(self._uninit) > CACHE_ENTRIES:  # bounded: the oldest marks go first
@@ -1027,6 +1032,26 @@ class Session:
         call.fills.append((e, s, output))
         return e
 
+    def written_below_autograd(self, call: Call, slot: str, t: torch.Tensor, whole: bool) -> dict[str, Any]:
+        """The output entry of ``t``, uninitialised memory written by the aten op ``call`` records
+        (``level=dispatch``) in whole (``whole``) or in part, seen before autograd moves the version
+        counter once the op returns; what is left unwritten of its base stays marked (§3.7)."""
+        try:
+            pending = 1 if t._version >= 0 else 0
+        except RuntimeError:  # an inference tensor: no version counter to move
+            pending = 0
+        if not whole:
+            e = self.entry(call, slot, t, True, uninitialized=True)
+        else:  # the view's content is a result: digested, its base's mark set aside meanwhile
+            base = t._base if t._base is not None else t
+            ptr = _address(base)
+            mark = self._uninit.pop(ptr, None) if ptr is not None else None
+            e = self.entry(call, slot, t, True, fresh=True)
+            if mark is not None and base is not t:
+                self._uninit[ptr] = mark
+        self.partly_written(t, whole, pending)
+        return e
+
     def _mark_uninitialized(self, t: torch.Tensor) -> None:
         ptr = _address(t)
         if ptr is None:
@@ -1034,12 +1059,30 @@ class Session:
         held = self._uninit.get(ptr)
         if held is not None and held[0]() is not None and t._base is held[0]():
             return  # a view at its base's address: the base's mark covers it (and outlives it)
+        if t._base is None and self._covered(t, ptr):
+            return  # a view made below autograd (level=dispatch), which sets its _base only once the op returns
         try:
             self._uninit[ptr] = (weakref.ref(t), t._version)
         except (TypeError, RuntimeError):  # not weakly referenceable; an inference tensor (no version counter)
             return
         while len(self._uninit) > CACHE_ENTRIES:  # bounded: the oldest marks go first
             del self._uninit[next(iter(self._uninit))]
+
+    def _covered(self, t: torch.Tensor, ptr: int) -> bool:
+        """``t`` lies in the storage of another live tensor marked at its storage's start and not
+        written since (its base, seen by the aten level before autograd made ``t`` its view)."""
+        region = _region(t, ptr)
+        held = self._uninit.get(region)
+        if held is None or held[1] is None:
+            return False
+        other = held[0]()
+        if other is None or other is t:
+            return False
+        try:
+            return (other._version == held[1]
+                    and other.untyped_storage().data_ptr() == t.untyped_storage().data_ptr())
+        except (RuntimeError, NotImplementedError):  # an inference tensor; no storage
+            return False
 
     def _still_uninitialized(self, t: torch.Tensor) -> bool:
         """``t`` is (a view at the same address of) an uninitialised output not written since: the

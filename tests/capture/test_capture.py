@@ -435,6 +435,32 @@ def test_dispatch_level_unwritten_memory_of_a_growing_resize_and_ctc_s_lattice(o
     assert ctc["outputs"][0]["digest"] is not None
 
 
+def test_dispatch_level_a_write_to_a_column_leaves_the_rest_uninitialized(out_env: dict[str, str]) -> None:
+    """At ``level=dispatch`` identical runs of ``F.affine_grid`` + ``grid_sample`` compared with 8
+    false mismatches (hand test): the CPU backward of ``affine_grid`` builds its base grid as
+    ``aten::empty`` filled column by column (``select`` + ``copy_``); the ``copy_`` into the first
+    column, at the buffer's own address, cleared the whole buffer's mark, and the next ``select``
+    digested the unwritten columns. A whole write of a view now leaves the rest of the buffer marked
+    (as at the function level); the aten level sees the write before autograd moves the version
+    counter, which the mark allows for (docs/capture.md §3.7)."""
+    torch.manual_seed(0)
+    theta = torch.randn(2, 2, 3, requires_grad=True)
+    with oc.capture(env=out_env, level="dispatch") as cap:
+        torch.nn.functional.affine_grid(theta, [2, 1, 4, 5], align_corners=False).sum().backward()
+    aten = [r for r in ops(read_trace(cap.path)) if r["api"] == "aten" and r.get("phase") == "backward"]
+    empty = next(i for i, r in enumerate(aten) if r["fn"] == "aten::empty.memory_format")
+    after = aten[empty + 1:]
+    copies = [r for r in after if r["fn"] == "aten::copy_.default"]
+    assert copies and all(c["inputs"][0].get("uninitialized") for c in copies), copies
+    assert all(c["outputs"][0]["digest"] for c in copies)  # what each copy wrote is a result
+    first_copy = after.index(copies[0])
+    selects = [r for r in after[first_copy + 1:] if r["fn"] == "aten::select.int"]
+    assert selects, [r["fn"] for r in after]
+    # the buffer after writes to some of its columns: never digested while some are unwritten
+    assert selects[0]["inputs"][0].get("uninitialized") is True, selects[0]["inputs"]
+    assert selects[0]["inputs"][0]["digest"] is None
+
+
 @pytest.mark.parametrize("fast", ["1", "0"])
 def test_an_out_argument_s_content_is_not_an_input(tmp_path: Path, fast: str) -> None:
     """Compiled code (inductor) calls ``extern_kernels.addmm(..., out=buf)`` with a buffer it
