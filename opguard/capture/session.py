@@ -1047,7 +1047,7 @@ class Session:
             ptr = _address(base)
             mark = self._uninit.pop(ptr, None) if ptr is not None else None
             e = self.entry(call, slot, t, True, fresh=True)
-            if mark is not None and base is not t:
+            if mark is not None and ptr is not None and base is not t:
                 self._uninit[ptr] = mark
         self.partly_written(t, whole, pending)
         return e
