@@ -338,6 +338,7 @@ class Capture:
         if self.optimizer_steps is not None:  # each step one record (optim.py): its hooks first
             self._optim_hooks.append(register_optimizer_step_pre_hook(self.optimizer_steps.pre))
             self._optim_hooks.append(register_optimizer_step_post_hook(self.optimizer_steps.post))
+            self._optim_hooks.append(self.optimizer_steps.install())
         if self.options.step_auto:
             self._optim_hooks.append(register_optimizer_step_post_hook(self._optimizer_stepped))
         if self.aten is not None:

@@ -14,8 +14,11 @@ with which settings. So each ``Optimizer.step()`` is one record with ``api: "opt
   ``GPT.h.0.attn.c_attn.weight``, or ``group<g>.params.<i>`` when no module that ran holds it), its
   gradient (``<slot>.grad``) and its optimizer state (``<slot>.<key>``: ``exp_avg``, ``step``, ...;
   non-tensor state values are ``args``);
-* ``outputs`` (taken at the global post-hook): the same parameters and their state after the step,
-  with statistics.
+* ``outputs`` (taken when the step returns, before the optimizer's own post-hooks: PyTorch's step
+  wrapper calls ``Optimizer._optimizer_step_code`` there, which capture wraps; the global post-hook
+  for a class that overrides it): the same parameters and their state after the step, with
+  statistics. The optimizer's own post-hooks (``register_step_post_hook``: an EMA update) are then
+  the program's calls, recorded as such; its own pre-hooks run inside the record, unrecorded.
 
 The calls inside the step run without being recorded (``Session.quiet``; collectives inside are
 still recorded, as its children). When capture's function mode is the innermost torch function
@@ -160,6 +163,12 @@ class OptimizerSteps:
         if isinstance(step, OpenStep) and step.opt is opt:
             self.end(step)
 
+    def install(self) -> _StepCode:
+        """Wrap ``Optimizer._optimizer_step_code``, which PyTorch's step wrapper calls when the step
+        returned, before the optimizer's own post-hooks: the record ends there (:meth:`post`
+        otherwise). The returned handle's ``remove()`` restores it."""
+        return _StepCode(self)
+
     def settle(self) -> None:
         """Close the open step if it is no longer running (it raised while the mode was off the stack)."""
         step = self.session.quiet
@@ -213,8 +222,11 @@ class OptimizerSteps:
                     # p._version as it was; the digests are taken from memory, never the cache
                     s.outputs(call, self._after(step), fresh=True)
                 # and the gradients it read: an old-style step writes them through .data too (d_p =
-                # p.grad.data; d_p.add_(p.data, alpha=wd)): their next use is digested from memory
+                # p.grad.data; d_p.add_(p.data, alpha=wd)): their next use is digested from memory;
+                # so are its parameters without a gradient (not in the record; a decay through .data)
                 s.written_unrecorded([p.grad for _, p in step.params if p.grad is not None])
+                updated = {id(p) for _, p in step.params}
+                s.written_unrecorded([p for g in step.opt.param_groups for p in g["params"] if id(p) not in updated])
         except Exception as err:
             s.failed("recording", err, call)
         finally:
@@ -275,6 +287,30 @@ class OptimizerSteps:
                 names.setdefault(id(p), f"{path}.{n}")
         self._names[opt] = (modules.changes, names)
         return names
+
+
+class _StepCode:
+    """``torch.optim.Optimizer._optimizer_step_code`` wrapped while a capture runs (see
+    :meth:`OptimizerSteps.install`)."""
+
+    def __init__(self, steps: OptimizerSteps) -> None:
+        self.original = torch.optim.Optimizer.__dict__["_optimizer_step_code"]
+        original = self.original
+
+        def _optimizer_step_code(opt: Any) -> None:
+            if not _compiling() and threading.get_ident() == steps.thread:
+                step = steps.session.quiet
+                if isinstance(step, OpenStep) and step.opt is opt:
+                    steps.end(step)
+            original(opt)
+
+        _optimizer_step_code.__doc__ = original.__doc__
+        self.wrapper = _optimizer_step_code
+        torch.optim.Optimizer._optimizer_step_code = _optimizer_step_code  # type: ignore[method-assign, assignment]
+
+    def remove(self) -> None:
+        if torch.optim.Optimizer.__dict__.get("_optimizer_step_code") is self.wrapper:
+            torch.optim.Optimizer._optimizer_step_code = self.original  # type: ignore[method-assign]
 
 
 class _State:

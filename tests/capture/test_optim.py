@@ -235,6 +235,87 @@ def test_a_gradient_written_through_data_inside_the_step_is_read_again(tmp_path:
     assert sums[1]["inputs"][0]["digest"] == clone["outputs"][0]["digest"]
 
 
+def test_a_step_post_hook_is_recorded_and_its_data_writes_are_seen(tmp_path: Path) -> None:
+    """An EMA copy kept by ``register_step_post_hook`` and written through ``.data`` (its version
+    does not move): the optimizer's own post-hooks ran inside the step's record, unrecorded, so the
+    EMA's cached digests stayed those of step 0 while its outputs changed, and an edit of the decay
+    was named as "outputs differ, inputs and arguments equal" at ``F.linear`` (hand test). The step
+    record now ends when the step returns, before the optimizer's own post-hooks: their calls are
+    recorded as the program's (docs/capture.md §3.8)."""
+    import copy
+
+    model = _model()
+    ema = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def ema_update(_opt: Any, _args: Any, _kwargs: Any) -> None:
+        for e, p in zip(ema.parameters(), model.parameters(), strict=True):
+            e.data.mul_(0.5).add_(p.data, alpha=0.5)
+
+    opt.register_step_post_hook(ema_update)
+    x = torch.randn(6, 4)
+    plain_model, plain_ema = copy.deepcopy(model), copy.deepcopy(ema)
+    with oc.capture(env={"OPGUARD_TRACE_OUTPUT_BASE": str(tmp_path)}) as cap:
+        for _ in range(3):
+            opt.zero_grad()
+            model(x).sum().backward()
+            opt.step()
+            with torch.no_grad():
+                ema(x)
+    op = ops(read_trace(cap.path))
+    steps = [r for r in op if r["api"] == "optimizer"]
+    assert len(steps) == 3 and [r["step"] for r in steps] == [0, 1, 2]
+    muls = [r for r in op if r["fn"] == "Tensor.mul_"]
+    assert len(muls) == 12 and [r["step"] for r in muls] == [0] * 4 + [1] * 4 + [2] * 4  # the hook's calls
+    assert all(r.get("parent") is None for r in muls)
+    lin = [r for r in op if r["fn"] == "torch.nn.functional.linear"]
+    ema_in = [r["inputs"][1]["digest"] for r in lin if r.get("module") not in (None, "Sequential.0", "Sequential.2")]
+    assert len(ema_in) == 6, [r.get("module") for r in lin]
+    assert len({ema_in[0], ema_in[2], ema_in[4]}) == 3, ema_in  # the EMA's first weight after each update
+    # and the program is the same: the EMA as without capture
+    opt2 = torch.optim.SGD(plain_model.parameters(), lr=0.1)
+    for _ in range(3):
+        opt2.zero_grad()
+        plain_model(x).sum().backward()
+        opt2.step()
+        for e, p in zip(plain_ema.parameters(), plain_model.parameters(), strict=True):
+            e.data.mul_(0.5).add_(p.data, alpha=0.5)
+    assert all(torch.equal(a, b) for a, b in zip(ema.parameters(), plain_ema.parameters(), strict=True))
+
+
+class _DecayAll(torch.optim.Optimizer):
+    """Old-style decay of every parameter through ``.data``, those without a gradient too."""
+
+    def __init__(self, params: Any) -> None:
+        super().__init__(params, {"lr": 0.1})
+
+    def step(self, closure: Any = None) -> None:
+        for group in self.param_groups:
+            for p in group["params"]:
+                p.data.mul_(0.5)
+                if p.grad is not None:
+                    p.data.add_(p.grad.data, alpha=-group["lr"])
+
+
+def test_a_parameter_without_gradient_written_by_the_step_is_read_again(tmp_path: Path) -> None:
+    """A frozen parameter the step decays through ``.data``: not in the record (no gradient), and
+    its cached digest stayed in place, so the next forward read the frozen weight from before the
+    step (hand test). Every parameter of the optimizer is read from memory at its next use."""
+    model = _model()
+    model[2].weight.requires_grad_(False)
+    opt = _DecayAll(model.parameters())
+    x = torch.randn(6, 4)
+    with oc.capture(env={"OPGUARD_TRACE_OUTPUT_BASE": str(tmp_path)}) as cap:
+        for _ in range(2):
+            opt.zero_grad()
+            model(x).sum().backward()
+            opt.step()
+    op = ops(read_trace(cap.path))
+    frozen = [r["inputs"][1]["digest"] for r in op
+              if r["fn"] == "torch.nn.functional.linear" and r.get("module") == "Sequential.2"]
+    assert len(frozen) == 2 and frozen[0] != frozen[1]
+
+
 class _Wrapping(torch.optim.Optimizer):
     """A wrapper optimizer (ZeroRedundancyOptimizer, Lookahead): its step steps an inner one."""
 
