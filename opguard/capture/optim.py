@@ -117,7 +117,16 @@ class OptimizerSteps:
         if s.quiet is not None or s.busy:  # an optimizer stepped by another one's step: inside its record
             return
         if (len(args) > 1 and args[1] is not None) or (kwargs or {}).get("closure") is not None:
-            return  # the closure runs the model: recorded op by op
+            if s.active:  # the closure runs the model: recorded op by op, after a record of the settings
+                s.busy += 1
+                try:
+                    with _no_modes():
+                        self._settings(opt, sys._getframe(1))
+                except Exception as err:
+                    s.failed("recording", err)
+                finally:
+                    s.busy -= 1
+            return
         step = OpenStep(self, opt)
         s.quiet = step
         caller = sys._getframe(1)
@@ -155,6 +164,24 @@ class OptimizerSteps:
             call.rec["args"] = xs
         s.inputs(call, ins)
         s.parents.append(call.rec["seq"])
+
+    def _settings(self, opt: Any, caller: FrameType) -> None:
+        """The record of a step given a closure: its settings (``args``, as a step record's), marked
+        ``closure: true``, without tensors; the step's calls follow it, recorded one by one."""
+        s = self.session
+        name = step_name(opt)
+        modules, contexts = s.modules, s.contexts
+        module = modules[-1] if modules else None
+        context = "/".join(contexts) if contexts else None
+        if not (s.select_all or s.selected(name, module, context)):
+            return
+        call = s.begin("optimizer", name, s.sites.lookup(caller), where=(module, context))
+        call.rec["closure"] = True
+        xs = [records.arg_entry(f"group{g}.{k}", v) for g, group in enumerate(opt.param_groups)
+              for k, v in group.items() if k != "params"]
+        if xs:
+            call.rec["args"] = xs
+        s.maybe_flush_contained()
 
     def post(self, opt: Any, _args: Any, _kwargs: Any) -> None:
         if _compiling() or threading.get_ident() != self.thread:

@@ -167,8 +167,39 @@ def test_a_step_with_a_closure_is_recorded_op_by_op(tmp_path: Path) -> None:
     with oc.capture(env={"OPGUARD_TRACE_OUTPUT_BASE": str(tmp_path)}) as cap:
         opt.step(closure)
     op = ops(read_trace(cap.path))
-    assert not any(r["api"] == "optimizer" for r in op)
-    assert any(r["fn"] == "torch.nn.functional.mse_loss" for r in op)   # the closure's forward
+    steps = [r for r in op if r["api"] == "optimizer"]
+    assert len(steps) == 1 and steps[0]["closure"] is True and op[0] is steps[0]  # the settings, first
+    assert steps[0]["fn"] == "torch.optim.LBFGS.step" and not steps[0]["inputs"] and not steps[0]["outputs"]
+    settings = {a["slot"]: a for a in steps[0]["args"]}
+    assert settings["group0.max_iter"]["value"] == 2 and "group0.history_size" in settings
+    assert any(r["fn"] == "torch.nn.functional.mse_loss" and r.get("parent") is None for r in op)  # the closure's
+
+
+def test_compare_names_a_changed_setting_of_a_step_with_a_closure(tmp_path: Path) -> None:
+    """LBFGS's ``history_size`` changed between two runs: its steps are recorded op by op, and no
+    record held the settings, so compare named a later ``Tensor.lt`` with a derived value (hand
+    test). The step's settings record names the setting."""
+    def run(base: Path, history: int) -> None:
+        torch.manual_seed(0)
+        model = torch.nn.Linear(3, 1)
+        opt = torch.optim.LBFGS(model.parameters(), max_iter=4, history_size=history)
+        x, y = torch.randn(8, 3), torch.randn(8, 1)
+
+        def closure() -> Any:
+            opt.zero_grad()
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            return loss
+
+        with oc.capture(env={"OPGUARD_TRACE_OUTPUT_BASE": str(base)}):
+            for _ in range(3):
+                opt.step(closure)
+
+    run(tmp_path / "a", 3)
+    run(tmp_path / "b", 2)
+    text = run_compare(tmp_path / "a", tmp_path / "b", tmp_path / "ab.pftrace").stderr
+    first = next(line for line in text.splitlines() if "first divergence" in line)
+    assert "torch.optim.LBFGS.step" in first and "group0.history_size: 3 -> 2" in first, text
 
 
 class _DataSGD(torch.optim.Optimizer):
