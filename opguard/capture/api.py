@@ -23,6 +23,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 from opguard.capture.collectives import Collectives, collectives
 from opguard.capture.compiles import CompileWindows
 from opguard.capture.dispatch import AtenMode, tag_outputs
+from opguard.capture.duals import DualLevels
 from opguard.capture.fused import FusedModules, candidate, may_take_fast_path
 from opguard.capture.futures import FutureCallbacks
 from opguard.capture.mode import CaptureMode
@@ -307,6 +308,7 @@ class Capture:
         self.modules = ModulePaths(self.session)
         self.collectives = Collectives(self.session)
         self.swaps = SwapGuard(self.session)
+        self.duals = DualLevels(self.session)
         self.resizes = ResizeGuard(self.session)
         self.futures = FutureCallbacks(self.session)
         self.compiles = CompileWindows(self.session)
@@ -332,6 +334,7 @@ class Capture:
         self.modules.install()
         self.collectives.install()
         self.swaps.install()
+        self.duals.install()
         self.resizes.install()
         self.futures.install()
         self.compiles.install()
@@ -399,6 +402,7 @@ class Capture:
             self.modules.uninstall()
             self.collectives.uninstall()
             self.swaps.uninstall()
+            self.duals.uninstall()
             self.resizes.uninstall()
             self.futures.uninstall()
             self.compiles.uninstall()

@@ -42,7 +42,7 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-from opguard.capture import records
+from opguard.capture import duals, records
 from opguard.capture.customops import program_op
 from opguard.capture.frames import register, standin
 from opguard.capture.session import ANY as _ANY
@@ -101,7 +101,7 @@ _UNINITIALIZED_FNS = records.UNINITIALIZED_FNS
 _SHARES_MEMORY = records.SHARES_MEMORY_FNS
 _GROWS = records.GROWS_FNS
 # names that need a look before the call (one set test per call)
-_SPECIAL = _SHARES_MEMORY | {"Tensor.data", "Tensor.share_memory_"}
+_SPECIAL = _SHARES_MEMORY | {"Tensor.data", "Tensor.share_memory_"} | duals.NAMES
 _written_get = records._written.get
 _seeded_get = records._seeded.get
 _isfinite = math.isfinite
@@ -491,6 +491,9 @@ class CaptureMode(TorchFunctionMode):
                         _written_outputs(written, ins, outs)
                 if name in _UNINITIALIZED_FNS or (name in _GROWS and _grew(call.rec["inputs"], outs)):
                     s.outputs(call, outs, uninitialized=True)
+                elif name == duals.UNPACK and duals.tainted(s, args, kwargs):  # a tangent computed from
+                    s.outputs(call, outs[:1])  # uninitialised memory (duals.py)
+                    s.outputs(call, outs[1:], uninitialized=True)
                 else:  # s.outputs(call, outs), with entry()'s fast path tried here (one or two calls less)
                     entry, put = s.entry, call.rec["outputs"].append
                     fast = s._entry_fast if s.host_digest and not s._uninit else None
@@ -521,6 +524,8 @@ class CaptureMode(TorchFunctionMode):
                         put(ent if ent is not None else entry(call, slot, t, True, fresh=wrote))
                 if dump_out:
                     s.dump(call.rec["seq"], [(capture_dump_slot(slot, True), t) for slot, t in outs])
+                if name == duals.MAKE:
+                    duals.made(s, args, kwargs, call.rec["inputs"])
                 if self.on_output is not None:
                     self.on_output(call, outs)
                 if wrappers.watching:  # inside a watched wrapper call: what this call took and gave

@@ -372,6 +372,8 @@ class Session:
         # the aten op the dispatch level is recording while it runs (dispatch.AtenMode): its writes and
         # marks (§3.7) are that record's, not an unrecorded torch.ops call's (mode.CaptureMode.handle)
         self.aten_op: Any = None
+        # forward-AD dual levels with a tangent of uninitialised memory attached (duals.py, §3.7)
+        self.tainted_levels: set[Any] = set()
         # (function, first argument or ANY) of the calls being handled, innermost last: the function
         # mode's re-entries and the collective wrappers (mode.py, collectives.py)
         self.inflight: list[tuple[Any, Any]] = []
@@ -1602,9 +1604,10 @@ class Session:
                       "code are not recorded one by one (capture is invisible to Dynamo): only the calls around "
                       "them and the library kernels compiled code calls (e.g. torch.addmm), at the compiled "
                       "module's call site; a backend='eager' graph's calls are recorded, at their own lines")
-        try:  # TorchScript (torch.jit.script / trace): functions of the process's compilation unit
-            unit: Any = torch.jit._state._python_cu  # (its stub types get_functions() as returning None)
-            scripted = len(unit.get_functions())
+        try:  # TorchScript (torch.jit.script / trace): functions of the process's compilation unit,
+            unit: Any = torch.jit._state._python_cu  # but PyTorch's own (forward AD scripts its decompositions
+            scripted = sum(1 for f in unit.get_functions()  # for jvp: part of the recorded op, like a kernel)
+                           if not str(f.qualified_name).startswith("__torch__.torch."))
         except Exception:
             scripted = 0
         if scripted:

@@ -1918,4 +1918,44 @@ def test_torchscript_in_the_process_is_noted(out_env: dict[str, str]) -> None:
     with oc.capture(env=out_env) as cap:
         scripted(torch.ones(2), 0.5).sum()
     notes = json.loads((cap.path / "meta.json").read_text())["notes"]
-    assert any(n.startswith("torch.jit: ") and "not recorded" in n for n in notes), notes
+    assert any(n.startswith("torch.jit: 1 ") and "not recorded" in n for n in notes), notes
+
+
+def test_pytorch_s_own_torchscript_is_not_noted_as_the_program_s(tmp_path: Path) -> None:
+    """Forward-mode AD (``torch.func.jvp``, ``jacfwd``, ``hessian``) makes PyTorch script its own jvp
+    decompositions (14 functions of ``torch._decomp``): meta.json said TorchScript functions' calls
+    were not recorded in a program that scripted nothing (hand test). Only the program's count."""
+    from torch.func import jvp
+
+    with oc.capture(env={"OPGUARD_TRACE_OUTPUT_BASE": str(tmp_path)}) as cap:
+        jvp(lambda x: torch.nn.functional.layer_norm(x, (3,)).sin(), (torch.randn(2, 3),), (torch.ones(2, 3),))
+    unit = torch.jit._state._python_cu.get_functions()
+    own = sum(1 for f in unit if not f.qualified_name.startswith("__torch__.torch."))
+    assert len(unit) > own  # PyTorch scripted its own (other tests in this process may have scripted some)
+    notes = [n for n in json.loads((cap.path / "meta.json").read_text())["notes"] if n.startswith("torch.jit: ")]
+    assert notes == ([f"torch.jit: {own} " + notes[0].split(" ", 2)[2]] if own else []), notes
+
+
+def test_a_tangent_traced_from_uninitialised_memory_is_uninitialised(tmp_path: Path) -> None:
+    """``torch.func.linearize`` attaches ``new_empty(()).expand_as(p)`` (uninitialised memory) as the
+    tangents it traces with: the tangent ``torch._unpack_dual`` returned was digested, and identical
+    runs compared with "outputs differ, inputs and arguments equal" at ``_unpack_dual`` (hand test).
+    A tangent unpacked at a dual level where one of uninitialised memory was attached is now
+    uninitialised; a ``jvp`` with the program's own tangents is digested as before (§3.7)."""
+    import torch.autograd.forward_ad as fwad
+    from torch.func import jvp, linearize
+
+    x = torch.randn(5)
+    with oc.capture(env={"OPGUARD_TRACE_OUTPUT_BASE": str(tmp_path)}) as cap:
+        _, jvp_fn = linearize(lambda z: torch.sin(z) * z.cumsum(0), x)
+        got = jvp_fn(torch.ones(5))
+        with fwad.dual_level():  # the program's own tangent, after linearize's level ended
+            fwad.unpack_dual(torch.sin(fwad.make_dual(x, torch.ones(5))) * 2)
+    op = ops(read_trace(cap.path))
+    unpacks = [r for r in op if r["fn"] == "torch._unpack_dual"]
+    assert len(unpacks) == 2, [r["fn"] for r in op]
+    assert unpacks[0]["outputs"][1]["uninitialized"] is True and unpacks[0]["outputs"][1]["digest"] is None
+    assert unpacks[0]["outputs"][0]["digest"] is not None  # the primal is a result
+    own = unpacks[1]["outputs"][1]
+    assert own["digest"] == oc_digest(torch.cos(x) * 2) and "uninitialized" not in own
+    assert torch.equal(got, jvp(lambda z: torch.sin(z) * z.cumsum(0), (x,), (torch.ones(5),))[1])
