@@ -164,8 +164,11 @@ class AtenMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
                         for slot, t in outs:
                             wrote = any(t is x for _, x in ins)
                             if wrote and unwritten and id(t) in unwritten:
-                                whole = "out" in kwargs or func._opname in _WRITES_WHOLE
-                                put(s.written_below_autograd(call, slot, t, whole))
+                                # written whole, and not from other uninitialised memory (a copy_
+                                # from a view of the same unwritten buffer: F.pad's circular mode)
+                                whole = (("out" in kwargs or func._opname in _WRITES_WHOLE)
+                                         and not any(id(x) in unwritten for _, x in ins if x is not t))
+                                put(s.written_marked(call, slot, t, whole, below_autograd=True))
                                 continue
                             put(s.entry(call, slot, t, True, fresh=wrote))
                 finally:

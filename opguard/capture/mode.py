@@ -510,10 +510,9 @@ class CaptureMode(TorchFunctionMode):
                                 wrote = True
                                 break
                         if wrote and unwritten and id(t) in unwritten:
-                            whole = writes_whole(name, args, kwargs) or id(t) in whole_ids
-                            put(entry(call, slot, t, True, fresh=True) if whole
-                                else entry(call, slot, t, True, uninitialized=True))
-                            s.partly_written(t, whole)
+                            whole = ((writes_whole(name, args, kwargs) or id(t) in whole_ids)  # and not from
+                                     and not any(id(x) in unwritten for _, x in ins if x is not t))  # unwritten memory
+                            put(s.written_marked(call, slot, t, whole))
                             continue
                         ent = None
                         if fast is not None:

@@ -1034,18 +1034,21 @@ class Session:
         call.fills.append((e, s, output))
         return e
 
-    def written_below_autograd(self, call: Call, slot: str, t: torch.Tensor, whole: bool) -> dict[str, Any]:
-        """The output entry of ``t``, uninitialised memory written by the aten op ``call`` records
-        (``level=dispatch``) in whole (``whole``) or in part, seen before autograd moves the version
-        counter once the op returns; what is left unwritten of its base stays marked (§3.7)."""
-        try:
-            pending = 1 if t._version >= 0 else 0
-        except RuntimeError:  # an inference tensor: no version counter to move
-            pending = 0
+    def written_marked(self, call: Call, slot: str, t: torch.Tensor, whole: bool, below_autograd: bool = False
+                       ) -> dict[str, Any]:
+        """The output entry of ``t``, uninitialised memory until ``call`` wrote it, in whole (``whole``)
+        or in part; what is left unwritten of its base stays marked (§3.7). ``below_autograd``: an aten
+        op (``level=dispatch``) seen before autograd moves the version counter once it returns."""
+        pending = 0
+        if below_autograd:
+            try:
+                pending = 1 if t._version >= 0 else 0
+            except RuntimeError:  # an inference tensor: no version counter to move
+                pending = 0
         if not whole:
             e = self.entry(call, slot, t, True, uninitialized=True)
-        else:  # the view's content is a result: digested, its base's mark set aside meanwhile
-            base = t._base if t._base is not None else t
+        else:  # the view's content is a result: digested, its base's mark set aside meanwhile (at level
+            base = t._base if t._base is not None else t  # dispatch the aten write already moved it on)
             ptr = _address(base)
             mark = self._uninit.pop(ptr, None) if ptr is not None else None
             e = self.entry(call, slot, t, True, fresh=True)

@@ -461,6 +461,32 @@ def test_dispatch_level_a_write_to_a_column_leaves_the_rest_uninitialized(out_en
     assert selects[0]["inputs"][0]["digest"] is None
 
 
+def test_a_copy_from_unwritten_memory_writes_nothing_known(out_env: dict[str, str]) -> None:
+    """``F.pad(mode="circular")`` fills an ``empty`` buffer, then copies its edge columns and rows
+    from other parts of the same buffer, some not written yet: at ``level=dispatch`` those
+    ``copy_`` outputs were digested and identical runs compared with 2 mismatches per pad (hand
+    test, 8 with a circular-padded Conv2d). A whole write from uninitialised memory is a partial one:
+    its output stays uninitialised and the mark stays, at either level (docs/capture.md §3.7)."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 4, 4)
+    with oc.capture(env=out_env, level="dispatch") as cap:
+        y = torch.nn.functional.pad(x, (1, 1, 1, 1), mode="circular")
+        buf = torch.empty(4, 3)
+        buf[0].copy_(x[0, 0, 0, :3])
+        buf[1].copy_(buf[2])  # from a row nothing wrote
+        buf[2].copy_(x[0, 0, 1, :3])
+    op = ops(read_trace(cap.path))
+    copies = [r for r in op if r["fn"] == "aten::copy_.default" and r["parent"] is not None
+              and op[r["parent"]]["fn"] == "torch.nn.functional.pad"]
+    assert len(copies) == 5, [r["fn"] for r in op]
+    assert copies[0]["outputs"][0]["digest"] == oc_digest(x)  # the centre, from x
+    assert all(c["outputs"][0].get("uninitialized") is True for c in copies[1:]), [c["outputs"] for c in copies]
+    pad = next(r for r in op if r["fn"] == "torch.nn.functional.pad" and r.get("parent") is None)
+    assert pad["outputs"][0]["digest"] == oc_digest(y)  # the function's result is a result
+    fn = [r for r in op if r["fn"] == "Tensor.copy_"]
+    assert [bool(r["outputs"][0].get("uninitialized")) for r in fn] == [False, True, False], [r["outputs"] for r in fn]
+
+
 @pytest.mark.parametrize("fast", ["1", "0"])
 def test_an_out_argument_s_content_is_not_an_input(tmp_path: Path, fast: str) -> None:
     """Compiled code (inductor) calls ``extern_kernels.addmm(..., out=buf)`` with a buffer it
