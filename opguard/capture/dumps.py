@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import os
 import re
 from collections.abc import Mapping
 from fnmatch import fnmatchcase
+from typing import Any
 
 import torch
 
@@ -62,10 +64,23 @@ def dump_relpath(seq: int, slot: str, capture_dir: str = "capture") -> str:
 
 
 def serialize(t: torch.Tensor) -> bytes:
+    """``t``'s copy as ``torch.save`` bytes. Inside a ``torch.func`` transform (``jvp``, ``vmap``,
+    ...) the copy is made with the transforms set aside: made under them, the copy of a plain
+    tensor is the transform's wrapper, which has no storage to save."""
     buf = io.BytesIO()
-    with torch.no_grad():
+    with torch.no_grad(), _no_transforms():
         torch.save(t.detach().to("cpu", copy=True), buf)
     return buf.getvalue()
+
+
+def _no_transforms() -> contextlib.AbstractContextManager[Any]:
+    try:
+        from torch._functorch.pyfunctorch import temporarily_clear_interpreter_stack
+    except ImportError:  # a PyTorch without it: as before
+        return contextlib.nullcontext()
+    if torch._C._functorch.peek_interpreter_stack() is None:
+        return contextlib.nullcontext()
+    return temporarily_clear_interpreter_stack()
 
 
 def write_dump(rank: int, seq: int, slot: str, data: bytes, env: Mapping[str, str],

@@ -1543,6 +1543,26 @@ def test_an_output_named_like_an_input_has_its_own_dump(out_env: dict[str, str])
     assert torch.equal(before, torch.zeros(3)) and torch.equal(after, bn.running_mean)
 
 
+def test_a_plain_tensor_is_dumped_inside_a_torch_func_transform(out_env: dict[str, str],
+                                                                   capfd: pytest.CaptureFixture[str]) -> None:
+    """``torch.func.jvp`` with dumps on: the plain tensors ``_make_dual`` took were copied for the
+    dump under the transform, which made the copy its wrapper, and saving it failed ("Cannot access
+    storage of TensorWrapper", a capture_error and a stderr notice; hand test). The copy is made
+    with the transforms set aside; the transform's own wrappers are still not dumped."""
+    from torch.func import jvp
+
+    x = torch.linspace(0, 1, 5)
+    with oc.capture(env=out_env, dump_steps="0") as cap:
+        jvp(torch.sin, (x,), (torch.ones(5),))
+    recs = read_trace(cap.path)
+    make = next(r for r in ops(recs) if r["fn"] == "torch._make_dual")
+    assert "capture_error" not in make
+    dumps = {r["slot"]: r for r in recs if r["kind"] == "dump" and r["seq"] == make["seq"]}
+    assert set(dumps) == {"arg0", "arg1"}, dumps
+    assert torch.equal(torch.load(cap.path.parent / dumps["arg0"]["path"]), x)
+    assert "failed" not in capfd.readouterr().err
+
+
 def test_an_out_argument_and_the_output_have_their_own_dumps(out_env: dict[str, str]) -> None:
     """``torch.add(a, b, out=c)``: the input ``out`` (its value before the call) and the output ``out``
     both went to ``<seq>-out.pt``; the input's dump is ``in.out`` now (§7)."""
