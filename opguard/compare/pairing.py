@@ -5,8 +5,9 @@ The rules, and nothing else (no similarity scores, no repair passes):
 1. Equal call-site key sequences (function, call site, rank, context) pair in execution order,
    basis ``equal-sequence``.
 2. Otherwise, **anchors**: an anchor key that occurs exactly once on each side matches those two
-   operations; of those matches only a longest set whose order agrees on both sides is kept
-   (longest increasing subsequence; ties keep the earliest), basis ``input-anchor``.
+   operations, unless they are at different call sites neither of which is on a line the source
+   diff says was edited or is new; of those matches only a longest set whose order agrees on both
+   sides is kept (longest increasing subsequence; ties keep the earliest), basis ``input-anchor``.
 3. Between consecutive anchors (and before the first / after the last), equal call-site key
    sequences pair in order, basis ``between-anchors``; a segment that differs only in the function
    called at the same call sites pairs in order too when the first such call at each of those
@@ -334,6 +335,11 @@ def pair_streams(keys_a: Sequence[int], keys_b: Sequence[int],
 
     ua, ub = _unique(anchors_a), _unique(anchors_b)
     matches = [(i, ub[key]) for key, i in ua.items() if key in ub]  # in order of A's position (_unique)
+    if sites_a is not None and sites_b is not None and changed_a is not None and changed_b is not None:
+        # not across call sites the source diff says correspond elsewhere: at different call sites,
+        # one of the two lines is edited or new (code that moved); equal inputs at two lines the
+        # diff keeps are two different calls (a loop's extra iteration read what the next line reads)
+        matches = [(i, j) for i, j in matches if sites_a[i] == sites_b[j] or changed_a[i] or changed_b[j]]
     bs = [j for _, j in matches]
     # when B's positions already increase (the usual case) the longest monotone set is all of them
     kept = matches if all(map(operator.lt, bs, itertools.islice(bs, 1, None))) else _lis(matches)

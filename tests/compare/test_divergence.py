@@ -353,6 +353,33 @@ def test_a_call_removed_from_a_line_is_named(tmp_path: Path) -> None:
     assert rank["first_new_in_b"] is None
 
 
+_LOOP = """import torch
+torch.manual_seed(0)
+x = torch.randn(8)
+iters = {iters}
+for i in range(iters):
+    y = torch.sin(x)
+    x = x * 0.5
+z = torch.cos(torch.sin(x))
+print(z.sum().item())
+"""
+
+
+def test_equal_inputs_at_two_unchanged_lines_are_not_one_call(tmp_path: Path) -> None:
+    """A loop run 3 times in A, 2 in B (the count is a Python int, never recorded): A's third
+    ``torch.sin`` at line 6 reads what B's ``torch.sin`` after the loop, at line 8, reads, and the
+    input anchor paired the two although the source diff keeps both lines; the summary then named
+    A's ``Tensor.mul`` at line 7 as the first call B does not make (hand test). Anchors no longer
+    cross call sites the diff keeps: A's extra ``torch.sin`` at line 6 is named (§2 rule 2)."""
+    runs = _captured_pair(tmp_path, _LOOP.format(iters=3), _LOOP.format(iters=2))
+    p = run_compare(runs["a"], runs["b"], tmp_path / "v.pftrace", extra=["--json", str(tmp_path / "s.json")])
+    assert p.returncode == 0, p.stderr
+    rank = json.loads((tmp_path / "s.json").read_text())["ranks"][0]
+    missing = rank["first_missing_in_b"]
+    assert missing.startswith("run A torch.sin at ") and "swap.py:6 " in missing, missing
+    assert rank["first_new_in_b"] is None
+
+
 _BLOCKS = """import torch
 import torch.nn as nn
 import torch.nn.functional as F
