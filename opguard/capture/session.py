@@ -1062,6 +1062,8 @@ class Session:
         if ptr is None:
             return
         held = self._uninit.get(ptr)
+        if held is not None and held[1] is None:
+            return  # memory a storage resize grew: marked for any tensor there, until something writes it
         if held is not None and held[0]() is not None and t._base is held[0]():
             return  # a view at its base's address: the base's mark covers it (and outlives it)
         if t._base is None and self._covered(t, ptr):
