@@ -79,6 +79,34 @@ def _group_size(group: Any) -> int | None:
 _no_modes = torch._C.DisableTorchFunction  # capture's own tensor reads skip the function mode
 
 
+def _settings(arguments: dict[str, Any]) -> list[dict[str, Any]]:
+    """The ``args`` entries of a tensor collective: every argument that holds no tensor (``op`` by
+    its name, ``src``/``dst``, split sizes, ``async_op``, ...), ``group`` as its global ranks (None:
+    the default group), so compare names an edited reduce op, root or split as an argument."""
+    out = []
+    for p, v in arguments.items():
+        if isinstance(v, torch.Tensor) or (isinstance(v, (list, tuple)) and any(
+                isinstance(x, torch.Tensor) or (isinstance(x, (list, tuple)) and x and isinstance(x[0], torch.Tensor))
+                for x in v)):
+            continue
+        if p == "op" and v is not None:
+            v = getattr(v, "name", str(v))
+        elif p == "group" and v is not None:
+            v = _group_ranks(v)
+        elif not isinstance(v, (type(None), bool, int, float, str, list, tuple)):
+            v = str(v)[:200]
+        out.append(records.arg_entry(p, v))
+    return out
+
+
+def _group_ranks(group: Any) -> Any:
+    """A process group's global ranks (its repr when this rank cannot read them)."""
+    try:
+        return list(dist.get_process_group_ranks(group))
+    except Exception:
+        return type(group).__name__
+
+
 def _begin(s: Session, fn: str, sig: inspect.Signature, args: Any, kwargs: Any, caller: Any,
            fill: Callable[[Call, dict[str, Any]], Any]) -> tuple[Call, dict[str, Any], Any] | None:
     """The record of a wrapped call, its bound arguments and what ``fill(call, arguments)`` gave;
@@ -116,6 +144,9 @@ def _wrap(session: Session, name: str, orig: Callable[..., Any], thread: int,
             call.rec["group_size"] = _group_size(arguments.get("group"))
             if "op" in arguments:
                 call.rec["op"] = getattr(arguments["op"], "name", str(arguments["op"]))
+            xs = _settings(arguments)
+            if xs:
+                call.rec["args"] = xs
             return name in ASYNC_ALWAYS or bool(arguments.get("async_op", False))
 
         begun = _begin(s, fn, sig, args, kwargs, caller, fill)

@@ -663,6 +663,47 @@ def test_selection_by_steps_and_functions(out_env: dict[str, str]) -> None:
     assert all(r["fn"].startswith("torch.nn.functional.") for r in op)
 
 
+def _collectives_with(op: str, tmp_path: Path, base: Path) -> Path:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / ('pg-' + base.name)}", rank=0, world_size=1)
+    try:
+        with oc.capture(env={"OPGUARD_TRACE_OUTPUT_BASE": str(base)}) as cap:
+            t = torch.arange(4.0)
+            dist.all_reduce(t, op=getattr(dist.ReduceOp, op))
+            dist.broadcast(t, src=0)
+            out = torch.empty(4)
+            dist.all_to_all_single(out, t, output_split_sizes=[4], input_split_sizes=[4])
+            (out * 2).sum()
+    finally:
+        dist.destroy_process_group()
+    return cap.path
+
+
+def test_a_collective_s_settings_are_arguments_compare_names(tmp_path: Path) -> None:
+    """A reduce op edited ``SUM`` -> ``MAX`` was reported on every rank as "outputs differ, inputs
+    and arguments equal, in a collective (another rank sent other data)", each rank pointing at the
+    others, and an edited split size or broadcast root was not named anywhere (hand test): capture
+    kept only ``op`` (a field compare does not compare) and no other setting. A tensor collective's
+    non-tensor arguments are now ``args`` (``op`` by name, ``group`` as its ranks)."""
+    dist = pytest.importorskip("torch.distributed")
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("torch.distributed with gloo is not available in this torch build")
+    from tests.compare.helpers import run_compare
+
+    a = _collectives_with("SUM", tmp_path, tmp_path / "a")
+    _collectives_with("MAX", tmp_path, tmp_path / "b")
+    op = ops(read_trace(a))
+    settings = {r["fn"]: {x["slot"]: x.get("value") for x in r.get("args", [])} for r in op if r["api"] == "collective"}
+    assert settings["torch.distributed.all_reduce"] == {"op": "SUM", "group": None, "async_op": False}
+    assert settings["torch.distributed.broadcast"]["src"] == 0
+    a2a = settings["torch.distributed.all_to_all_single"]
+    assert a2a["output_split_sizes"] == [4] and a2a["input_split_sizes"] == [4]
+    text = run_compare(tmp_path / "a", tmp_path / "b", tmp_path / "ab.pftrace").stderr
+    first = next(line for line in text.splitlines() if "first divergence" in line)
+    assert "torch.distributed.all_reduce" in first and "arguments differ: op: 'SUM' -> 'MAX'" in first, text
+
+
 def test_collective_recorded_as_such(out_env: dict[str, str], tmp_path: Path) -> None:
     dist = pytest.importorskip("torch.distributed")
     if not dist.is_available() or not dist.is_gloo_available():
