@@ -118,10 +118,54 @@ def _torch_problem(cmd: Sequence[str], env: Mapping[str, str]) -> ConfigError | 
                        "that has torch), or drop --capture")
 
 
+# interpreter flags that skip what capture loads through: PYTHONPATH (-E, -I) or site, which runs
+# the bootstrap's sitecustomize (-S, -I)
+_SKIPS_BOOTSTRAP = {"I": "ignores PYTHONPATH and site-packages' user site", "E": "ignores PYTHONPATH",
+                    "S": "does not import site (nor its sitecustomize)"}
+
+
+def python_flags(cmd: Sequence[str]) -> list[str]:
+    """The single-letter options a ``python*`` command gives its interpreter before the script,
+    ``-c`` or ``-m`` (``-IE`` gives ``I`` and ``E``); [] for any other command."""
+    if not cmd or not _PYTHON_RE.match(os.path.basename(cmd[0])):
+        return []
+    out: list[str] = []
+    args = list(cmd[1:])
+    i = 0
+    while i < len(args):
+        a = args[i]
+        if a == "--" or a == "-" or not a.startswith("-") or a.startswith("--"):
+            break  # the script, stdin, or a long option (--version, --help: nothing runs)
+        letters = a[1:]
+        for k, ch in enumerate(letters):
+            if ch in "cm":
+                return out
+            if ch in "WX":  # takes a value: the rest of this argument, or the next one
+                if k == len(letters) - 1:
+                    i += 1
+                break
+            out.append(ch)
+        i += 1
+    return out
+
+
+def _flags_problem(cmd: Sequence[str]) -> ConfigError | None:
+    bad = [f for f in dict.fromkeys(python_flags(cmd)) if f in _SKIPS_BOOTSTRAP]
+    if not bad:
+        return None
+    why = "; ".join(f"-{f} {_SKIPS_BOOTSTRAP[f]}" for f in bad)
+    flags = " ".join("-" + f for f in bad)
+    return ConfigError(f"--capture: the command runs {os.path.basename(cmd[0])} with {flags}: capture starts "
+                       f"through PYTHONPATH's sitecustomize, which that skips ({why}): the program would run "
+                       "uncaptured", f"drop {flags} from the command, or start capture in the program itself "
+                       "(opguard.capture.capture(), docs/capture.md §1) under opguard-run without --capture")
+
+
 def capture_problems(cmd: Sequence[str], env: Mapping[str, str], config: StagingConfig | None,
                      identity: Identity) -> list[ConfigError]:
-    """Bad capture options, a leftover capture directory, no torch in the child's interpreter."""
-    problems = [p for p in (_options_problem(env),) if p is not None]
+    """Bad capture options, a leftover capture directory, an interpreter flag that skips the
+    bootstrap (``python -I``/``-E``/``-S``), no torch in the child's interpreter."""
+    problems = [p for p in (_options_problem(env), _flags_problem(cmd)) if p is not None]
     problems += _leftovers(config, identity)
     torch = _torch_problem(cmd, env)
     if torch is not None:

@@ -219,6 +219,25 @@ def test_command_interpreter_without_torch_is_refused(staging_env: dict[str, str
     assert f"{venv / 'bin' / 'python'} cannot import torch" in r.stderr and not marker.exists()
 
 
+@pytest.mark.parametrize("flags", [["-I"], ["-E"], ["-u", "-S"], ["-uE"]])
+def test_a_python_flag_that_skips_the_bootstrap_is_refused(staging_env: dict[str, str], tmp_path: Path,
+                                                           flags: list[str]) -> None:
+    """``python -I``/``-E`` ignore PYTHONPATH and ``-S`` skips site: capture's bootstrap never loads,
+    and ``opguard-run --capture`` said "capture on", exited 0 and wrote no trace (hand test). It is
+    refused before the command starts, naming the flag and the fix."""
+    from opguard.launcher.capturecheck import python_flags
+
+    marker = tmp_path / "child-ran"
+    r = run_wrapper(["--no-countdown", "--capture", PY, *flags, "-c", f"open({str(marker)!r}, 'w')"],
+                    _env(staging_env))
+    assert r.returncode == 2, r.stderr
+    bad = [f for f in python_flags([PY, *flags, "-c", ""]) if f in "IES"]
+    assert f"with {' '.join('-' + f for f in bad)}: capture starts through PYTHONPATH's sitecustomize" in r.stderr
+    assert "fix: drop" in r.stderr and not marker.exists()
+    assert python_flags(["python3", "-W", "ignore", "-X", "dev", "-u", "train.py", "-I"]) == ["u"]
+    assert python_flags(["python", "-Wignore", "-c", "-I"]) == [] and python_flags(["torchrun", "-I"]) == []
+
+
 def test_clean_removes_only_sealed_and_verified_copies(staging_env: dict[str, str], tmp_path: Path) -> None:
     env = _env(staging_env)
     target = Path(env["OPGUARD_LOCAL_DUMP_TARGET"])
