@@ -25,6 +25,11 @@ caller's own caller is a stand-in, the call goes through a chain of stand-ins, o
 per frame hidden that way (the frame the outer stand-in stands for: found by walking from it to
 the handler that made it, as :func:`standin` does): the stack above the function reads as it does
 without capture as far as the program's frame that made the outermost call.
+
+While a trace or profile function is set on the thread (``sys.settrace``: a debugger, coverage;
+``sys.setprofile``: ``cProfile``), calls are made directly instead: the tracer would see each stand-in
+as a call of a function in the program's file that the program never made (a program counting its
+own functions' calls printed other counts). Warnings raised meanwhile name capture's frame.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ import torch.overrides
 
 Call = Callable[[Callable[..., Any], Sequence[Any], Mapping[str, Any]], Any]
 _HANDLE = torch.overrides.handle_torch_function.__code__
+_gettrace, _getprofile = sys.gettrace, sys.getprofile
 _MAX = 1 << 13  # stand-ins kept (each holds its caller's globals); cleared when full (generated code can make many)
 
 
@@ -145,8 +151,10 @@ def _hidden(frame: FrameType) -> FrameType | None:
 
 def standin(frame: FrameType | None) -> Call:
     """How a handler called from ``frame`` calls the function: through the caller's stand-in (a chain
-    of them when the caller runs below one)."""
-    if frame is None or not ENABLED:
+    of them when the caller runs below one); directly while a trace or profile function is set on
+    this thread (``sys.settrace``, a debugger, coverage, ``cProfile``): a tracer would see each
+    stand-in as a call of a function of the program's file that the program never made."""
+    if frame is None or not ENABLED or _gettrace() is not None or _getprofile() is not None:
         return plain
     code = frame.f_code
     if code is _HANDLE:  # a Python-level torch function: handle_torch_function <- the function <- caller

@@ -79,3 +79,41 @@ def test_a_stand_in_reads_as_its_callers_frame() -> None:
         text = traceback.format_exc()
     stand_in_part = text.split(f'File "{__file__}", line {line}')[1].split("File")[0]
     assert "frames.standin(here)" in stand_in_part and "^" not in stand_in_part  # no carets
+
+
+@pytest.mark.parametrize("hook", ["settrace", "setprofile"])
+def test_a_tracer_sees_only_the_program_s_own_calls(tmp_path: Path, hook: str) -> None:
+    """A program counting its own functions' calls with ``sys.settrace`` (coverage, a debugger, a
+    call counter) or ``sys.setprofile`` (``cProfile``) printed other counts under capture: every
+    intercepted call ran through a stand-in whose code carries the program's file and function name,
+    and the tracer saw each as a call of the program's function (hand test). While a tracer is set,
+    capture calls directly: the tracer sees the program's calls as without capture."""
+    import collections
+
+    import opguard.capture as oc
+
+    here = __file__
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(x) + torch.nn.functional.gelu(x)
+
+    def count() -> collections.Counter[tuple[str, int]]:
+        calls: collections.Counter[tuple[str, int]] = collections.Counter()
+
+        def tracer(frame: object, event: str, _arg: object) -> None:
+            code = frame.f_code  # type: ignore[attr-defined]
+            if code.co_filename == here and event == "call":
+                calls[(code.co_name, code.co_firstlineno)] += 1
+
+        getattr(sys, hook)(tracer)
+        try:
+            f(torch.ones(2))
+        finally:
+            getattr(sys, hook)(None)
+        return calls
+
+    plain = count()
+    with oc.capture(env={"OPGUARD_TRACE_OUTPUT_BASE": str(tmp_path)}) as cap:
+        got = count()
+    assert got == plain and sum(plain.values()) == 1, (got, plain)
+    assert {r["fn"] for r in ops(read_trace(cap.path))} >= {"torch.relu", "torch.nn.functional.gelu"}
