@@ -29,6 +29,7 @@ from opguard.capture.futures import FutureCallbacks
 from opguard.capture.mode import CaptureMode
 from opguard.capture.optim import OptimizerSteps
 from opguard.capture.options import CaptureOptions
+from opguard.capture.recursion import RecursionHeadroom
 from opguard.capture.resize import ResizeGuard
 from opguard.capture.session import Session
 from opguard.capture.swap import SwapGuard
@@ -309,6 +310,7 @@ class Capture:
         self.collectives = Collectives(self.session)
         self.swaps = SwapGuard(self.session)
         self.duals = DualLevels(self.session)
+        self.recursion = RecursionHeadroom()
         self.resizes = ResizeGuard(self.session)
         self.futures = FutureCallbacks(self.session)
         self.compiles = CompileWindows(self.session)
@@ -335,6 +337,7 @@ class Capture:
         self.collectives.install()
         self.swaps.install()
         self.duals.install()
+        self.recursion.install()
         self.resizes.install()
         self.futures.install()
         self.compiles.install()
@@ -403,6 +406,7 @@ class Capture:
             self.collectives.uninstall()
             self.swaps.uninstall()
             self.duals.uninstall()
+            self.recursion.uninstall()
             self.resizes.uninstall()
             self.futures.uninstall()
             self.compiles.uninstall()

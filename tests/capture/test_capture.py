@@ -2077,3 +2077,55 @@ def test_a_tangent_traced_from_uninitialised_memory_is_uninitialised(tmp_path: P
     own = unpacks[1]["outputs"][1]
     assert own["digest"] == oc_digest(torch.cos(x) * 2) and "uninitialized" not in own
     assert torch.equal(got, jvp(lambda z: torch.sin(z) * z.cumsum(0), (x,), (torch.ones(5),))[1])
+
+
+def test_a_recursion_limit_that_suffices_without_capture_suffices_with_it(tmp_path: Path) -> None:
+    """A tree-structured model 60 modules deep under ``sys.setrecursionlimit(300)`` ran plain and
+    raised RecursionError under capture (its module hooks add a frame per nested module; hand test:
+    plain needed 246, captured 316). While capture runs the limit the program sets gets headroom for
+    capture's frames, and ``sys.getrecursionlimit()`` still returns what the program set."""
+    import sys
+
+    class Node(torch.nn.Module):
+        def __init__(self, child: torch.nn.Module | None) -> None:
+            super().__init__()
+            self.lin, self.child = torch.nn.Linear(2, 2), child
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            x = self.lin(x).tanh()
+            return self.child(x) if self.child is not None else x
+
+    torch.manual_seed(0)
+    model: torch.nn.Module | None = None
+    for _ in range(60):
+        model = Node(model)
+    assert model is not None
+    x = torch.ones(1, 2)
+    original = sys.getrecursionlimit()
+
+    def runs(limit: int) -> bool:
+        sys.setrecursionlimit(limit)
+        try:
+            model(x)
+            return True
+        except RecursionError:
+            return False
+        finally:
+            sys.setrecursionlimit(original)
+
+    lo, hi = 50, original  # the least limit the forward runs under, without capture
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if runs(mid) else (mid + 1, hi)
+    expected = model(x)
+    with oc.capture(env={"OPGUARD_TRACE_OUTPUT_BASE": str(tmp_path)}) as cap:
+        assert sys.getrecursionlimit() == original
+        sys.setrecursionlimit(lo)
+        try:
+            assert sys.getrecursionlimit() == lo
+            got = model(x)
+        finally:
+            sys.setrecursionlimit(original)
+    assert sys.getrecursionlimit() == original and sys.setrecursionlimit.__module__ == "sys"
+    assert torch.equal(got, expected)
+    assert sum(1 for r in ops(read_trace(cap.path)) if r["fn"] == "torch.nn.functional.linear") == 60
