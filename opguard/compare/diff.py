@@ -152,7 +152,9 @@ def diff_pair(a: Record, b: Record) -> Diff:
     fields: list[str] = []
     _compare_slots("inputs", a.inputs, b.inputs, fields, d)
     if not fields:
-        d.unseen = _unseen(a.inputs, b.inputs)
+        # a random draw into uninitialised memory (nn.init.kaiming_uniform_ of a new Linear's weight,
+        # uniform_ of torch.empty) does not read it: that input is not where outputs can come from
+        d.unseen = _unseen(a.inputs, b.inputs, drawn=a.seeded or b.seeded)
     inputs_equal = not fields and not d.unseen
     if other_fn:
         fields.insert(0, "function")
@@ -177,12 +179,15 @@ def diff_pair(a: Record, b: Record) -> Diff:
     return d
 
 
-def _unseen(a: list[Slot], b: list[Slot]) -> list[str]:
-    """The inputs (equal slots otherwise) whose content was not recorded in A or B, with why."""
+def _unseen(a: list[Slot], b: list[Slot], drawn: bool = False) -> list[str]:
+    """The inputs (equal slots otherwise) whose content was not recorded in A or B, with why; for a
+    call that draws random numbers (``drawn``), uninitialised memory on both sides is left out."""
     by_b = {s.name: s for s in b}
     out = []
     for sa in a:
         sb = by_b.get(sa.name)
+        if drawn and sb is not None and sa.uninitialized and sb.uninitialized:
+            continue
         if sb is not None and (sa.digest is None or sb.digest is None):
             why = ("uninitialised memory" if sa.uninitialized or sb.uninitialized else
                    sa.reason or sb.reason or "no digest")
