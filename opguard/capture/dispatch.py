@@ -156,6 +156,10 @@ class AtenMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
                         # a view of uninitialised memory (aten::select of a torch.empty buffer): the view
                         # op wrote nothing; below autograd a view has no _base to find its mark by (§3.7)
                         s.outputs(call, outs, uninitialized=True)
+                    elif func._opname == "set_":  # self now refers to other memory: nothing was written;
+                        for slot, t in outs:  # marked there or not (a regrown storage; §3.7)
+                            rec["outputs"].append(s.entry(call, slot, t, True, fresh=True,
+                                                          uninitialized=s._still_uninitialized(t)))
                     else:  # an input object as output (in-place, out=): a write, digested from memory (§5.3)
                         put = rec["outputs"].append
                         # inputs that were uninitialised memory: a write to part of one leaves the rest

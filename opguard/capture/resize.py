@@ -9,6 +9,13 @@ the freed parameter's digest. While capture runs, ``torch.UntypedStorage.resize_
 resize runs as it is, then ``Session.resized`` drops what capture cached for the old and the new
 memory and marks memory grown from nothing as uninitialised. Nothing is recorded (a resize computes
 nothing). While Dynamo traces, the wrapper only calls the original.
+
+``UntypedStorage.copy_`` (``storage.clone()``, which ``copy.deepcopy`` of a tensor calls) is wrapped
+too: PyTorch makes it of aten ops on byte views of both storages (``aten::set_`` onto the new,
+uninitialised storage, then ``aten::copy_``), which the dispatch level recorded, digesting the new
+storage's leftover bytes: identical runs differed there. The copy runs as capture's own work (not
+recorded); then ``Session.storage_copied`` drops what capture cached for the destination and gives
+it the source's uninitialised mark, if any.
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ class ResizeGuard:
     def __init__(self, session: Session) -> None:
         self.session = session
         self.saved: Any = self._MISSING  # what UntypedStorage's own __dict__ held (usually nothing)
+        self.saved_copy: Any = self._MISSING
         self.installed = False
 
     def install(self) -> None:
@@ -56,8 +64,29 @@ class ResizeGuard:
                     session.failed("recording", err)
             return result
 
+        copy = getattr(cls, "copy_", None)
+
+        @functools.wraps(copy)  # type: ignore[arg-type]
+        def copy_(storage: Any, src: Any, *args: Any, **kwargs: Any) -> Any:
+            if _compiling() or copy is None:
+                return copy(storage, src, *args, **kwargs)  # type: ignore[misc]
+            session.busy += 1  # a memcpy: the aten ops PyTorch makes it of are not the program's calls
+            try:
+                result = copy(storage, src, *args, **kwargs)
+            finally:
+                session.busy -= 1
+            if not session.closed:
+                try:
+                    session.storage_copied(storage.data_ptr(), src.data_ptr())
+                except Exception as err:  # capture's own failure: said once, the program goes on
+                    session.failed("recording", err)
+            return result
+
         self.saved = cls.__dict__.get("resize_", self._MISSING)
+        self.saved_copy = cls.__dict__.get("copy_", self._MISSING)
         cls.resize_ = resize_  # type: ignore[method-assign, assignment]
+        if copy is not None:
+            cls.copy_ = copy_  # type: ignore[method-assign, assignment]
         self.installed = True
 
     def uninstall(self) -> None:
@@ -68,5 +97,10 @@ class ResizeGuard:
             del cls.resize_
         else:
             cls.resize_ = self.saved  # type: ignore[method-assign]
-        self.saved = self._MISSING
+        if self.saved_copy is self._MISSING:
+            if "copy_" in cls.__dict__:
+                del cls.copy_
+        else:
+            cls.copy_ = self.saved_copy  # type: ignore[method-assign]
+        self.saved = self.saved_copy = self._MISSING
         self.installed = False

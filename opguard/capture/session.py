@@ -314,7 +314,9 @@ class Session:
                               f"processes that both resolved to rank {self.rank}, would mix",
                               "use a new OPGUARD_TRACE_OUTPUT_BASE (or run ID) for every captured run; within one run, "
                               "give every captured process its own rank (RANK in its environment before capture "
-                              "starts; docs/capture.md §1)")
+                              "starts); a process that starts processes capturing themselves (torch.multiprocessing."
+                              "spawn children calling opguard.capture) is not captured itself: run it under "
+                              "opguard-run without --capture (docs/capture.md §1)")
         self.env = environ
         self.digester = Digester(options.digest)
         # CPU tensors: the native one-pass kernel (hostkernel.py), else the same PyTorch ops as on accelerators
@@ -720,6 +722,18 @@ class Session:
             self._uninit[new] = (_NO_TENSOR, None)
             while len(self._uninit) > CACHE_ENTRIES:  # bounded: the oldest marks go first
                 del self._uninit[next(iter(self._uninit))]
+
+    def storage_copied(self, dest: int, src: int) -> None:
+        """A storage's bytes were copied from another's (``UntypedStorage.copy_``, run unrecorded):
+        what capture cached for the destination is stale, and it holds uninitialised memory exactly
+        when the source did (marked at its start)."""
+        if not dest:
+            return
+        self._drop_storage(dest)
+        self._uninit.pop(dest, None)
+        mark = self._uninit.get(src) if src else None
+        if mark is not None and (mark[1] is None or mark[0]() is not None):
+            self._uninit[dest] = (_NO_TENSOR, None)
 
     def _drop_storage(self, region: int) -> None:
         """Drop every cached content of the storage starting at ``region`` (and mark it stale for the
@@ -1560,6 +1574,9 @@ class Session:
             ("OPGUARD_CAPTURE_MODULES", ",".join(o.modules), bool(o.modules)),
             ("OPGUARD_CAPTURE_CONTEXTS", ",".join(o.contexts), bool(o.contexts))) if on]
         if not chosen:
+            self.note("this process recorded no operation: a program that does its work in processes it starts "
+                      "itself (torch.multiprocessing.spawn, multiprocessing.Process) is not captured there; those "
+                      "processes start capture themselves (opguard.capture.capture(), docs/capture.md §1)", warn=True)
             return
         how = {"marker": "set by opguard.capture.step()", "optimizer": "advanced at each Optimizer.step()",
                "none": "no opguard.capture.step() call and no Optimizer.step(): every call was step 0",

@@ -872,7 +872,8 @@ def check_paired(summary: Summary) -> None:
                 "written sooner (docs/capture.md §10)")
         raise ConfigError(f"nothing was paired: run {empty} recorded no operations ({where})",
                           f"check that capture was on for run {empty} (opguard-run --capture) and that the "
-                          "program reached the traced code")
+                          "program reached the traced code; a program that does its work in processes it starts "
+                          "itself (torch.multiprocessing.spawn) starts capture in them (docs/capture.md §1)")
     reasons: Counter[str] = Counter()
     for s in summary.streams.values():
         reasons.update(s.reasons_a)

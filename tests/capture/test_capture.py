@@ -2129,3 +2129,38 @@ def test_a_recursion_limit_that_suffices_without_capture_suffices_with_it(tmp_pa
     assert sys.getrecursionlimit() == original and sys.setrecursionlimit.__module__ == "sys"
     assert torch.equal(got, expected)
     assert sum(1 for r in ops(read_trace(cap.path)) if r["fn"] == "torch.nn.functional.linear") == 60
+
+
+def test_a_process_that_recorded_nothing_says_where_the_work_may_have_gone(
+        tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    """A program that does its work in processes it starts itself (``torch.multiprocessing.spawn``)
+    under ``opguard-run --capture``: the launching process recorded no operation, silently, and
+    compare said only "check that capture was on" (it was; hand test). A capture that recorded no
+    operation now says so, on stderr and in meta, with where the work may have gone."""
+    with oc.capture(env={"OPGUARD_TRACE_OUTPUT_BASE": str(tmp_path)}) as cap:
+        pass
+    notes = json.loads((cap.path / "meta.json").read_text())["notes"]
+    assert any(n.startswith("this process recorded no operation") and "torch.multiprocessing.spawn" in n
+               for n in notes), notes
+    assert "warning: this process recorded no operation" in capfd.readouterr().err
+
+
+def test_dispatch_level_deepcopy_of_a_tensor_digests_the_copy(out_env: dict[str, str]) -> None:
+    """``copy.deepcopy`` of a tensor clones its storage (``UntypedStorage.copy_``, which PyTorch makes
+    of ``aten::set_`` onto the new, uninitialised storage and ``aten::copy_``) and points a new tensor
+    at it with ``aten::set_``. At ``level=dispatch`` the new storage's leftover bytes were digested
+    (identical runs: 8 mismatches with an AveragedModel EMA copy, 474 converting a QAT model) and
+    the copy stayed marked uninitialised, so its uses had no digest (hand test). The storage copy
+    is not recorded; ``set_`` writes nothing, and the copy's content is its digest."""
+    import copy
+
+    buf = torch.arange(256.0)
+    with oc.capture(env=out_env, level="dispatch") as cap:
+        dup = copy.deepcopy(buf)
+        dup.sum()
+    aten = [r for r in ops(read_trace(cap.path)) if r["api"] == "aten"]
+    assert [r["fn"] for r in aten][:2] == ["aten::new_empty.default", "aten::set_.source_Storage_storage_offset"]
+    assert aten[1]["outputs"][0]["digest"] == oc_digest(buf) and "uninitialized" not in aten[1]["outputs"][0]
+    total = next(r for r in aten if r["fn"] == "aten::sum.default")
+    assert total["inputs"][0]["digest"] == oc_digest(buf)
+    assert torch.equal(dup, buf) and "copy_" not in torch.UntypedStorage.__dict__  # restored after capture
