@@ -33,6 +33,7 @@ from opguard.capture.recursion import RecursionHeadroom
 from opguard.capture.resize import ResizeGuard
 from opguard.capture.session import Session
 from opguard.capture.swap import SwapGuard
+from opguard.capture.waits import AsyncWaits
 from opguard.errors import ConfigError
 
 _root_names: weakref.WeakKeyDictionary[torch.nn.Module, str] = weakref.WeakKeyDictionary()
@@ -311,6 +312,8 @@ class Capture:
         self.swaps = SwapGuard(self.session)
         self.duals = DualLevels(self.session)
         self.recursion = RecursionHeadroom()
+        self.waits = AsyncWaits(self.session)
+        self.session.waits = self.waits
         self.resizes = ResizeGuard(self.session)
         self.futures = FutureCallbacks(self.session)
         self.compiles = CompileWindows(self.session)
@@ -338,6 +341,7 @@ class Capture:
         self.swaps.install()
         self.duals.install()
         self.recursion.install()
+        self.waits.install()
         self.resizes.install()
         self.futures.install()
         self.compiles.install()
@@ -407,6 +411,7 @@ class Capture:
             self.swaps.uninstall()
             self.duals.uninstall()
             self.recursion.uninstall()
+            self.waits.uninstall()
             self.resizes.uninstall()
             self.futures.uninstall()
             self.compiles.uninstall()

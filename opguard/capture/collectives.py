@@ -170,6 +170,8 @@ def _wrap(session: Session, name: str, orig: Callable[..., Any], thread: int,
             if is_async:  # written later (by wait()), with no version change: read from memory at the next use
                 rec["async"] = True
                 s.written_unrecorded([arguments.get(p) for p in written])
+                if s.waits is not None:  # and recorded at the program's wait() (waits.py)
+                    s.waits.issued(result, call, [st for p in written for st in tensors_in(arguments.get(p), p)])
             elif not s.cap_reached:
                 with _no_modes():
                     s.outputs(call, [st for p in written for st in tensors_in(arguments.get(p), p)], fresh=True)

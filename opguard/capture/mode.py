@@ -479,6 +479,9 @@ class CaptureMode(TorchFunctionMode):
                 elif name in self.c10d and ins:  # a collective called by library code (DTensor, DCP, object
                     if kwargs.get("async_op") or name.endswith(("isend", "irecv")):  # collectives): §3.2
                         s.written_unrecorded([t for _, t in ins])  # written at wait(): read again at next use
+                        if s.waits is not None:  # and recorded at the program's wait() (waits.py)
+                            by_wait = _collective_writes(func, self.c10d[name], args, kwargs)
+                            s.waits.issued(result, call, [(slot, t) for slot, t in ins if id(t) in by_wait])
                     else:
                         outs.extend(ins)  # every tensor argument after the call, as derived collectives
                         if marked:  # what it wrote, it wrote whole: no longer uninitialised memory (§3.7)

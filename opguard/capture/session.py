@@ -374,6 +374,7 @@ class Session:
         # the aten op the dispatch level is recording while it runs (dispatch.AtenMode): its writes and
         # marks (§3.7) are that record's, not an unrecorded torch.ops call's (mode.CaptureMode.handle)
         self.aten_op: Any = None
+        self.waits: Any = None  # waits.AsyncWaits while capture runs: asynchronous collectives' works
         # forward-AD dual levels with a tangent of uninitialised memory attached (duals.py, §3.7)
         self.tainted_levels: set[Any] = set()
         # (function, first argument or ANY) of the calls being handled, innermost last: the function

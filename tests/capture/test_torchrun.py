@@ -160,6 +160,20 @@ def test_async_collectives_results_are_read_after_wait(tmp_path: Path) -> None:
         lib = [r for r in ops(read_trace(trace_dir(base, rank)))
                if r["fn"] == "torch.distributed.distributed_c10d.broadcast"]
         assert [e["digest"] for e in lib[0]["outputs"]] == [digest(torch.ones(2))], rank
+        # the program's wait() on each recorded asynchronous collective that writes a tensor is a
+        # record of what it received (waits.py): a difference another rank sent shows there
+        op = ops(read_trace(trace_dir(base, rank)))
+        by_seq = {r["seq"]: r for r in op}
+        waits = [r for r in op if r["fn"].endswith(".wait")]
+        got = [(r["fn"], r["api"], by_seq[r["async_of"]]["fn"] + ".wait", [e["digest"] for e in r["outputs"]])
+               for r in waits]
+        expect_waits = [("torch.distributed.all_reduce.wait", [digest(torch.full((4,), 3.0))]),
+                        ("torch.distributed.broadcast.wait", [digest(torch.full((3,), 1.0))])]
+        if rank == 0:  # the sender's isend writes nothing: no record of its wait
+            expect_waits += [("torch.distributed.irecv.wait", [digest(torch.full((2,), 7.0))]),
+                             ("torch.distributed.distributed_c10d.irecv.wait", [digest(torch.full((2,), 5.0))])]
+        assert got == [(fn, "collective", fn, d) for fn, d in expect_waits], (rank, got)
+        assert all(r["file"] == app and r["parent"] is None for r in waits)
 
 
 def test_staging_round_trip_restores_the_traces(staging_env: dict[str, str], tmp_path: Path) -> None:
