@@ -3,10 +3,11 @@
 Capture adds Python frames below the program's: one per nested module call (its global module hooks
 make ``Module._call_impl`` call ``forward`` from an inner function) and its handler's per intercepted
 call. A program that lowers the recursion limit to what its deepest recursion needs would raise
-``RecursionError`` only under capture. While capture runs, ``sys.setrecursionlimit(n)`` sets
-``n`` (so that a value Python refuses is refused as without capture) and then
-:func:`with_headroom` of it; ``sys.getrecursionlimit()`` returns ``n``. The limit at capture's start
-gets the same headroom, and the program's ``n`` is set back when capture stops.
+``RecursionError`` only under capture. While capture runs, ``sys.setrecursionlimit(n)`` sets ``n``
+(so that a value Python refuses is refused as without capture) and then :func:`with_headroom` of it;
+``sys.getrecursionlimit()`` returns ``n`` while the limit is the one set so. The limit in force when
+capture starts is left as it is (a program that took ``getrecursionlimit`` before ``import torch``
+would read the raised value), and the program's ``n`` is set back when capture stops.
 """
 
 from __future__ import annotations
@@ -27,31 +28,29 @@ class RecursionHeadroom:
 
     def __init__(self) -> None:
         self.saved: tuple[Callable[[int], None], Callable[[], int]] | None = None
-        self.program = 0  # the limit the program set (or found at capture's start)
+        self.program: int | None = None  # the limit the program set through the wrapper
+        self.raised = 0  # the limit set for it
 
     def install(self) -> None:
         if self.saved is not None:
             return
         set_limit, get_limit = sys.setrecursionlimit, sys.getrecursionlimit
-        self.program = get_limit()
-        try:
-            set_limit(with_headroom(self.program))
-        except (RecursionError, ValueError, OverflowError):
-            return  # leave the limit and the functions as they are
         owner = self
 
         @functools.wraps(set_limit)
         def setrecursionlimit(limit: Any) -> None:
             set_limit(limit)  # Python's own checks and errors (type, < 1, below the current depth)
-            owner.program = int(limit)
+            owner.program, owner.raised = int(limit), int(limit)
             try:
                 set_limit(with_headroom(int(limit)))
+                owner.raised = with_headroom(int(limit))
             except (RecursionError, ValueError, OverflowError):
                 pass  # the program's own value stays
 
         @functools.wraps(get_limit)
         def getrecursionlimit() -> int:
-            return owner.program
+            now = get_limit()
+            return owner.program if owner.program is not None and now == owner.raised else now
 
         self.saved = (set_limit, get_limit)
         sys.setrecursionlimit = setrecursionlimit
@@ -66,7 +65,9 @@ class RecursionHeadroom:
             sys.setrecursionlimit = set_limit
         if sys.getrecursionlimit is not get_limit:
             sys.getrecursionlimit = get_limit
-        try:
-            set_limit(self.program)
-        except (RecursionError, ValueError, OverflowError):  # deeper than that now: the next check says so
-            pass
+        if self.program is not None and get_limit() == self.raised:
+            try:
+                set_limit(self.program)
+            except (RecursionError, ValueError, OverflowError):  # deeper than that now: the next check says so
+                pass
+        self.program = None
