@@ -100,8 +100,11 @@ def _settings(arguments: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def _group_ranks(group: Any) -> Any:
-    """A process group's global ranks (its repr when this rank cannot read them)."""
+    """A process group's global ranks; None for the default group (``group=None`` and
+    ``group=dist.group.WORLD`` are one group); its type's name when this rank cannot read them."""
     try:
+        if group is dist.distributed_c10d._get_default_group():
+            return None
         return list(dist.get_process_group_ranks(group))
     except Exception:
         return type(group).__name__
