@@ -100,6 +100,7 @@ _names_get = records._names.get
 _UNINITIALIZED_FNS = records.UNINITIALIZED_FNS
 _SHARES_MEMORY = records.SHARES_MEMORY_FNS
 _GROWS = records.GROWS_FNS
+_COPIES = records.COPY_FNS
 # names that need a look before the call (one set test per call)
 _SPECIAL = _SHARES_MEMORY | {"Tensor.data", "Tensor.share_memory_"} | duals.NAMES
 _written_get = records._written.get
@@ -243,6 +244,20 @@ def _out_entry(s: Session, call: Call, slot: str, t: torch.Tensor) -> dict[str, 
     e = s.entry(call, slot, t, False, uninitialized=True)
     e["reason"] = OUT_REASON
     return e
+
+
+def _copies_unwritten(entries: list[dict[str, Any]]) -> bool:
+    """A copy's tensor input (its first entry) was uninitialised memory: so is the copy."""
+    return bool(entries) and entries[0].get("uninitialized") is True
+
+
+def _sizes_only(args: Sequence[Any]) -> bool:
+    """``t.new(3, 4)`` / ``t.new(torch.Size(...))``: sizes only, an uninitialised tensor (``t.new([3, 4])``
+    is data, copied)."""
+    rest = args[1:]
+    if len(rest) == 1 and isinstance(rest[0], torch.Size):
+        return True
+    return bool(rest) and all(type(a) is int for a in rest)
 
 
 def unwritten_inputs(ins: list[tuple[str, torch.Tensor]], entries: list[dict[str, Any]]) -> set[int]:
@@ -492,7 +507,9 @@ class CaptureMode(TorchFunctionMode):
                         written = records.written_slots(name, func)
                     if written:
                         _written_outputs(written, ins, outs)
-                if name in _UNINITIALIZED_FNS or (name in _GROWS and _grew(call.rec["inputs"], outs)):
+                if (name in _UNINITIALIZED_FNS or (name in _GROWS and _grew(call.rec["inputs"], outs))
+                        or (marked and name in _COPIES and _copies_unwritten(call.rec["inputs"]))
+                        or (name == "Tensor.new" and _sizes_only(args))):
                     s.outputs(call, outs, uninitialized=True)
                 elif name == duals.UNPACK and duals.tainted(s, args, kwargs):  # a tangent computed from
                     s.outputs(call, outs[:1])  # uninitialised memory (duals.py)

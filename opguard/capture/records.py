@@ -80,6 +80,15 @@ SHARES_MEMORY_FNS = frozenset({"Tensor.numpy", "Tensor.__array__", "Tensor.__dlp
 # is recorded as uninitialised (docs/capture.md §3.7).
 GROWS_FNS = frozenset({"Tensor.resize_", "Tensor.resize_as_", "aten::resize_.default", "aten::resize_as_.default"})
 
+# Calls whose output is a copy of their tensor input (a cast at most): of uninitialised memory, an
+# uninitialised output (docs/capture.md §3.7). ``Tensor.new`` given only sizes allocates without filling.
+COPY_FNS = frozenset({
+    "Tensor.clone", "torch.clone", "Tensor.contiguous", "Tensor.to", "Tensor.cpu", "Tensor.cuda", "Tensor.float",
+    "Tensor.double", "Tensor.half", "Tensor.bfloat16", "Tensor.type", "Tensor.type_as", "Tensor.detach",
+    "torch.detach", "Tensor.clone_", "aten::clone.default", "aten::contiguous.default", "aten::_to_copy.default",
+    "aten::_to_copy", "aten::copy.default",
+})
+
 # Dispatch-level ops with an output their CPU kernel writes only in part (the rest is whatever the
 # allocator left): those outputs (by position) are recorded as uninitialised (docs/capture.md §3.7).
 # _ctc_loss's log_alpha: only the cells of each sequence's lattice are written.

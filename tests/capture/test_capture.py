@@ -2167,3 +2167,29 @@ def test_dispatch_level_deepcopy_of_a_tensor_digests_the_copy(out_env: dict[str,
     total = next(r for r in aten if r["fn"] == "aten::sum.default")
     assert total["inputs"][0]["digest"] == oc_digest(buf)
     assert torch.equal(dup, buf) and "copy_" not in torch.UntypedStorage.__dict__  # restored after capture
+
+
+def test_a_copy_of_uninitialised_memory_is_uninitialised(tmp_path: Path) -> None:
+    """``torch.empty(8, 8).clone()``, ``torch.empty(8, 8).t().contiguous()`` and ``t.new(64)`` (sizes
+    only) were digested with whatever the allocator left: identical runs compared with an
+    "introduced" divergence there (hand test). A copy of uninitialised memory, and ``Tensor.new``
+    given sizes, are uninitialised outputs; ``t.new([1.0, 2.0])`` (data) is a result."""
+    with oc.capture(env={"OPGUARD_TRACE_OUTPUT_BASE": str(tmp_path)}) as cap:
+        d = torch.empty(8, 8).clone()
+        e = torch.empty(8, 8).t().contiguous()
+        f = torch.empty(4).to(torch.float64)
+        b = torch.ones(2).new(64)
+        data = torch.ones(2).new([1.0, 2.0])
+        for t in (d, e, f, b):
+            t.fill_(1.0)
+        torch.ones(3).clone()
+    op = ops(read_trace(cap.path))
+    out = {r["fn"]: r["outputs"][0] for r in op if r["fn"] in ("Tensor.contiguous", "Tensor.to")}
+    clones = [r["outputs"][0] for r in op if r["fn"] == "Tensor.clone"]
+    news = [r["outputs"][0] for r in op if r["fn"] == "Tensor.new"]
+    assert clones[0].get("uninitialized") is True and clones[0]["digest"] is None
+    assert out["Tensor.contiguous"].get("uninitialized") is True and out["Tensor.to"].get("uninitialized") is True
+    assert news[0].get("uninitialized") is True and news[1]["digest"] == oc_digest(data)
+    assert clones[1]["digest"] == oc_digest(torch.ones(3))  # a copy of content is a result
+    fills = [r["outputs"][0] for r in op if r["fn"] == "Tensor.fill_"]
+    assert len(fills) == 4 and all(f["digest"] for f in fills)  # written whole: content from then on
