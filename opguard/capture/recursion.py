@@ -6,8 +6,10 @@ call. A program that lowers the recursion limit to what its deepest recursion ne
 ``RecursionError`` only under capture. While capture runs, ``sys.setrecursionlimit(n)`` sets ``n``
 (so that a value Python refuses is refused as without capture) and then :func:`with_headroom` of it;
 ``sys.getrecursionlimit()`` returns ``n`` while the limit is the one set so. The limit in force when
-capture starts is left as it is (a program that took ``getrecursionlimit`` before ``import torch``
-would read the raised value), and the program's ``n`` is set back when capture stops.
+capture starts gets the same headroom (a program 200 modules deep under the default 1000 ran plain
+and raised ``RecursionError`` captured); a reference to ``getrecursionlimit`` taken before capture
+started (``from sys import getrecursionlimit`` above ``import torch``) reads the raised value. The
+program's ``n`` is set back when capture stops.
 """
 
 from __future__ import annotations
@@ -36,6 +38,12 @@ class RecursionHeadroom:
             return
         set_limit, get_limit = sys.setrecursionlimit, sys.getrecursionlimit
         owner = self
+        start = get_limit()
+        try:
+            set_limit(with_headroom(start))
+            self.program, self.raised = start, with_headroom(start)
+        except (RecursionError, ValueError, OverflowError):
+            pass  # the limit stays as it is
 
         @functools.wraps(set_limit)
         def setrecursionlimit(limit: Any) -> None:

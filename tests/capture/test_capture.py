@@ -2122,7 +2122,7 @@ def test_a_recursion_limit_that_suffices_without_capture_suffices_with_it(tmp_pa
     expected = model(x)
     raw_get = sys.getrecursionlimit  # a reference taken before capture starts (from sys import ...)
     with oc.capture(env={"OPGUARD_TRACE_OUTPUT_BASE": str(tmp_path)}) as cap:
-        assert sys.getrecursionlimit() == original == raw_get()  # the limit in force is left as it is
+        assert sys.getrecursionlimit() == original and raw_get() > original  # headroom from the start
         sys.setrecursionlimit(lo)
         try:
             assert sys.getrecursionlimit() == lo
@@ -2131,6 +2131,15 @@ def test_a_recursion_limit_that_suffices_without_capture_suffices_with_it(tmp_pa
             sys.setrecursionlimit(original)
     assert sys.getrecursionlimit() == original and sys.setrecursionlimit.__module__ == "sys"
     assert torch.equal(got, expected)
+    sys.setrecursionlimit(lo)  # the limit in force when capture starts (the default, for most programs)
+    try:
+        with oc.capture(env={"OPGUARD_TRACE_OUTPUT_BASE": str(tmp_path / "start")}):
+            assert sys.getrecursionlimit() == lo
+            again = model(x)
+        assert sys.getrecursionlimit() == lo
+    finally:
+        sys.setrecursionlimit(original)
+    assert torch.equal(again, expected)
     assert sum(1 for r in ops(read_trace(cap.path)) if r["fn"] == "torch.nn.functional.linear") == 60
 
 
