@@ -106,6 +106,9 @@ class OptimizerSteps:
         self.thread = threading.get_ident()
         # per optimizer: id(parameter) -> module path, and how many modules it was built from
         self._names: weakref.WeakKeyDictionary[Any, tuple[int, dict[int, str]]] = weakref.WeakKeyDictionary()
+        self.code: _StepCode | None = None  # the wrapped Optimizer._optimizer_step_code (install())
+        self._firsts: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()  # capture's first post-hook
+        self.handles: list[Any] = []  # their handles: removed when capture stops
 
     # ---- hooks --------------------------------------------------------------------------------
     def pre(self, opt: Any, args: Any, kwargs: Any) -> None:
@@ -129,6 +132,8 @@ class OptimizerSteps:
             return
         step = OpenStep(self, opt)
         s.quiet = step
+        if self.code is not None and getattr(type(opt), "_optimizer_step_code", None) is not self.code.wrapper:
+            self._first_post_hook(opt)  # a class of its own there: the record ends at a post-hook of its own
         caller = sys._getframe(1)
         step.frame = caller
         if self.mode is not None:
@@ -192,9 +197,26 @@ class OptimizerSteps:
 
     def install(self) -> _StepCode:
         """Wrap ``Optimizer._optimizer_step_code``, which PyTorch's step wrapper calls when the step
-        returned, before the optimizer's own post-hooks: the record ends there (:meth:`post`
-        otherwise). The returned handle's ``remove()`` restores it."""
-        return _StepCode(self)
+        returned, before the optimizer's own post-hooks: the record ends there. For a class that
+        overrides it, a post-hook of capture's own, put first among the optimizer's post-hooks, ends
+        it (:meth:`_first_post_hook`). The returned handle's ``remove()`` restores both."""
+        self.code = _StepCode(self)
+        return self.code
+
+    def _first_post_hook(self, opt: Any) -> None:
+        """Put capture's post-hook (:meth:`post`) first among ``opt``'s own post-hooks (once per
+        optimizer; moved to the front again when the program registered one since)."""
+        try:
+            hooks = opt._optimizer_step_post_hooks
+            key = self._firsts.get(opt)
+            if key is None or key not in hooks:
+                handle = opt.register_step_post_hook(self.post)
+                self.handles.append(handle)
+                key = handle.id
+                self._firsts[opt] = key
+            hooks.move_to_end(key, last=False)
+        except Exception as err:  # capture's own failure: the global post-hook ends the record instead
+            self.session.failed("recording", err)
 
     def settle(self) -> None:
         """Close the open step if it is no longer running (it raised while the mode was off the stack)."""
@@ -321,6 +343,7 @@ class _StepCode:
     :meth:`OptimizerSteps.install`)."""
 
     def __init__(self, steps: OptimizerSteps) -> None:
+        self.steps = steps
         self.original = torch.optim.Optimizer.__dict__["_optimizer_step_code"]
         original = self.original
 
@@ -338,6 +361,8 @@ class _StepCode:
     def remove(self) -> None:
         if torch.optim.Optimizer.__dict__.get("_optimizer_step_code") is self.wrapper:
             torch.optim.Optimizer._optimizer_step_code = self.original  # type: ignore[method-assign]
+        while self.steps.handles:
+            self.steps.handles.pop().remove()
 
 
 class _State:

@@ -314,6 +314,44 @@ def test_a_step_post_hook_is_recorded_and_its_data_writes_are_seen(tmp_path: Pat
     assert all(torch.equal(a, b) for a, b in zip(ema.parameters(), plain_ema.parameters(), strict=True))
 
 
+class _OwnStepCode(torch.optim.SGD):
+    """A class that overrides ``_optimizer_step_code`` (the profiler's no-op capture wraps)."""
+
+    def _optimizer_step_code(self) -> None:
+        pass
+
+
+def test_a_class_with_its_own_step_code_ends_the_record_before_its_post_hooks(tmp_path: Path) -> None:
+    """For a class that overrides ``Optimizer._optimizer_step_code`` the record ended at capture's
+    global post-hook, after the optimizer's own post-hooks: their calls were hidden inside it, and
+    one that raised left the record open, "the step raised", so the calls of the program's except
+    block were not recorded (hand test). Capture puts a post-hook of its own first among the
+    optimizer's, which ends the record."""
+    model = _model()
+    opt = _OwnStepCode(model.parameters(), lr=0.1)
+
+    def scale(_opt: Any, _args: Any, _kwargs: Any) -> None:
+        model[0].weight.data.mul_(0.5)
+
+    def fail(_opt: Any, _args: Any, _kwargs: Any) -> None:
+        raise RuntimeError("post-hook failed")
+
+    opt.register_step_post_hook(scale)
+    opt.register_step_post_hook(fail)
+    x = torch.randn(6, 4)
+    with oc.capture(env={"OPGUARD_TRACE_OUTPUT_BASE": str(tmp_path)}) as cap:
+        model(x).sum().backward()
+        try:
+            opt.step()
+        except RuntimeError:
+            torch.full((3,), 2.5)
+    assert list(opt._optimizer_step_post_hooks.values()) == [scale, fail]  # capture's own is gone
+    op = ops(read_trace(cap.path))
+    step = next(r for r in op if r["api"] == "optimizer")
+    assert "error" not in step, step.get("error")
+    assert [r["fn"] for r in op if r["seq"] > step["seq"]] == ["Tensor.mul_", "torch.full"]
+
+
 class _DecayAll(torch.optim.Optimizer):
     """Old-style decay of every parameter through ``.data``, those without a gradient too."""
 
