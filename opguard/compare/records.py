@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from collections.abc import Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -338,6 +339,17 @@ def capture_index_fields(obj: Mapping[str, Any], sites: SiteCache) -> tuple[Reco
     return site, anchor_text(site.function, pairs)
 
 
+_ADDRESS = re.compile(r"\[?\b\d{1,3}(?:\.\d{1,3}){3}\]?:\d+|\[[0-9a-fA-F:]*:[0-9a-fA-F:]*\]:\d+|\b0x[0-9a-fA-F]{6,}\b"
+                      r"|\bpid \d+|\b(?:port|pid)[ =]\d+")
+
+
+def error_key(text: str) -> str:
+    """A recorded error's message as compared: socket addresses (``[127.0.0.1]:45993``), object
+    addresses (``0x7f3a...``) and process ids or ports named so, which differ between identical runs
+    (a peer's ephemeral port in gloo's "Connection closed by peer"), read as ``<addr>``/``<id>``."""
+    return _ADDRESS.sub(lambda m: "<id>" if m.group(0)[:1] in "pP" else "<addr>", text)
+
+
 def from_capture(obj: Mapping[str, Any], index: int, sites: SiteCache, where: str,
                  arg_names: Mapping[str, Sequence[str | None]] | None = None) -> Record:
     """An ``op`` record of docs/capture.md §3.1 as a :class:`Record`; ``arg_names``: the run's
@@ -347,7 +359,7 @@ def from_capture(obj: Mapping[str, Any], index: int, sites: SiteCache, where: st
         inputs = [capture_slot(s, f"in{i}") for i, s in enumerate(obj.get("inputs") or ())]
         outputs = [capture_slot(s, f"out{i}") for i, s in enumerate(obj.get("outputs") or ())]
         if obj.get("error"):
-            outputs.append(Slot(name="error", digest=str(obj["error"])))
+            outputs.append(Slot(name="error", digest=error_key(str(obj["error"]))))
         names = arg_names.get(obj["fn"]) if arg_names else None
         args = capture_args(obj.get("args"), names)
         if names:

@@ -207,3 +207,27 @@ def test_a_first_divergence_line_shows_a_few_slots_and_counts_the_rest() -> None
     assert "p5.weight: stats_max_abs_diff=0.5; ... (18 more)" in line and "p6.weight" not in line
     assert "outputs.p5.weight.digest, ... (18 more)" in line
     assert len(fm.as_json()["numeric"]) == 24
+
+
+def test_an_error_naming_a_peer_s_ephemeral_port_is_the_same_error(tmp_path: Path) -> None:
+    """Two identical runs of a job whose other rank died (``torchrun --max-restarts``): the
+    ``backward`` that raised recorded gloo's "Connection closed by peer [127.0.0.1]:45993" in one
+    run and ":54458" in the other, and compare named it as an introduced divergence, "outputs
+    differ, inputs and arguments equal: outputs.error.digest" (hand test). Socket and object
+    addresses and pids in a recorded error are not compared; the rest of the message is."""
+    from opguard.compare.records import error_key
+
+    def prog(port: int, size: int) -> list[dict[str, object]]:
+        r = synth.op(0, "Tensor.backward", 1, "loss.backward()", ["in"], [])
+        r["error"] = (f"RuntimeError: [gloo/transport/tcp/pair.cc:534] Connection closed by peer "
+                      f"[127.0.0.1]:{port} (object at 0x7f3a1c2b4d10, pid {port + 1}), size {size}")
+        return [r]
+
+    synth.write_rank(tmp_path / "a", 0, prog(45993, 3), version=2)
+    synth.write_rank(tmp_path / "b", 0, prog(54458, 3), version=2)
+    synth.write_rank(tmp_path / "c", 0, prog(45993, 4), version=2)
+    ab = compare(str(tmp_path / "a"), str(tmp_path / "b"), tmp_path / "ab.pftrace")
+    assert ab.streams[(0, "capture")].status["mismatch"] == 0
+    ac = compare(str(tmp_path / "a"), str(tmp_path / "c"), tmp_path / "ac.pftrace")
+    assert ac.streams[(0, "capture")].status["mismatch"] == 1  # the message itself still counts
+    assert error_key("peer [::1]:6000 at 0x7f00aa11bb22, port 29500") == "peer <addr> at <addr>, <id>"
