@@ -149,15 +149,23 @@ class OptimizerSteps:
         finally:
             s.busy -= 1
 
-    def _begin(self, step: OpenStep, caller: FrameType) -> None:
-        s, opt = self.session, step.opt
+    def _record(self, opt: Any, caller: FrameType) -> Call | None:
+        """A new ``api: "optimizer"`` record of ``opt``'s step called from ``caller``; None when a
+        filter leaves it out."""
+        s = self.session
         name = step_name(opt)
         modules, contexts = s.modules, s.contexts
         module = modules[-1] if modules else None
         context = "/".join(contexts) if contexts else None
         if not (s.select_all or s.selected(name, module, context)):
+            return None
+        return s.begin("optimizer", name, s.sites.lookup(caller), where=(module, context))
+
+    def _begin(self, step: OpenStep, caller: FrameType) -> None:
+        s, opt = self.session, step.opt
+        step.call = call = self._record(opt, caller)
+        if call is None:
             return
-        step.call = call = s.begin("optimizer", name, s.sites.lookup(caller), where=(module, context))
         ins: list[tuple[str, torch.Tensor]] = []
         xs: list[dict[str, Any]] = []
         for slot, value in self._before(opt, step):
@@ -173,20 +181,15 @@ class OptimizerSteps:
     def _settings(self, opt: Any, caller: FrameType) -> None:
         """The record of a step given a closure: its settings (``args``, as a step record's), marked
         ``closure: true``, without tensors; the step's calls follow it, recorded one by one."""
-        s = self.session
-        name = step_name(opt)
-        modules, contexts = s.modules, s.contexts
-        module = modules[-1] if modules else None
-        context = "/".join(contexts) if contexts else None
-        if not (s.select_all or s.selected(name, module, context)):
+        call = self._record(opt, caller)
+        if call is None:
             return
-        call = s.begin("optimizer", name, s.sites.lookup(caller), where=(module, context))
         call.rec["closure"] = True
         xs = [records.arg_entry(f"group{g}.{k}", v) for g, group in enumerate(opt.param_groups)
               for k, v in group.items() if k != "params"]
         if xs:
             call.rec["args"] = xs
-        s.maybe_flush_contained()
+        self.session.maybe_flush_contained()
 
     def post(self, opt: Any, _args: Any, _kwargs: Any) -> None:
         if _compiling() or threading.get_ident() != self.thread:
