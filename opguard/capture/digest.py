@@ -260,6 +260,8 @@ class Digester:
             t = torch.view_as_real(t)
         if t.dtype == torch.bool:
             t = t.view(torch.uint8)
+        if t.numel() == 0:  # torch.hash_tensor raises on no element; 0 as the full digest gives
+            return torch.zeros((), dtype=torch.int64, device=t.device)
         return torch.hash_tensor(t).view(torch.int64)
 
 
