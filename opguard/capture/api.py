@@ -33,6 +33,7 @@ from opguard.capture.recursion import RecursionHeadroom
 from opguard.capture.resize import ResizeGuard
 from opguard.capture.session import Session
 from opguard.capture.swap import SwapGuard
+from opguard.capture.tracers import TracerWindows
 from opguard.capture.waits import AsyncWaits
 from opguard.errors import ConfigError
 
@@ -289,6 +290,34 @@ class ModulePaths:
         ours = {h.id for h in self.handles}
         return any(k not in ours for name in _GLOBAL_HOOKS for k in getattr(nn_module, name, ()))
 
+    def suspend(self) -> list[tuple[Any, list[tuple[Any, Any]]]]:
+        """Take capture's global hooks out of PyTorch's hook dicts (a tracer refusing global hooks,
+        ``tracers.py``); :meth:`resume` puts them back at their positions."""
+        ours = {h.id for h in self.handles}
+        saved = []
+        for name in _GLOBAL_HOOKS:
+            d = getattr(nn_module, name, None)
+            if d is None or not any(k in ours for k in d):
+                continue
+            saved.append((d, list(d.items())))
+            for k in ours:
+                d.pop(k, None)
+        return saved
+
+    def resume(self, saved: list[tuple[Any, list[tuple[Any, Any]]]]) -> None:
+        """Capture's global hooks back where :meth:`suspend` took them from; the program's hooks
+        removed meanwhile stay removed, those added meanwhile come after."""
+        ours = {h.id for h in self.handles}
+        for d, order in saved:
+            now = dict(d)
+            d.clear()
+            for k, v in order:
+                if k in ours:
+                    d[k] = v
+                elif k in now:
+                    d[k] = now.pop(k)
+            d.update(now)
+
     def uninstall(self) -> None:
         if getattr(nn_module, "_has_any_global_hook", None) == self._program_has_global_hook:
             nn_module._has_any_global_hook = self._has_any
@@ -317,6 +346,7 @@ class Capture:
         self.resizes = ResizeGuard(self.session)
         self.futures = FutureCallbacks(self.session)
         self.compiles = CompileWindows(self.session)
+        self.tracers = TracerWindows(self.session, self.mode, self.modules)
         self.optimizer_steps = (OptimizerSteps(self.session, self.modules, self.mode)
                                 if options.optimizer == "step" else None)
         self.modules.optimizer_steps = self.optimizer_steps
@@ -345,6 +375,7 @@ class Capture:
         self.resizes.install()
         self.futures.install()
         self.compiles.install()
+        self.tracers.install()
         if self.optimizer_steps is not None:  # each step one record (optim.py): its hooks first
             self._optim_hooks.append(register_optimizer_step_pre_hook(self.optimizer_steps.pre))
             self._optim_hooks.append(register_optimizer_step_post_hook(self.optimizer_steps.post))
@@ -415,6 +446,7 @@ class Capture:
             self.resizes.uninstall()
             self.futures.uninstall()
             self.compiles.uninstall()
+            self.tracers.uninstall()
             while self._optim_hooks:
                 self._optim_hooks.pop().remove()
             try:

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from opguard.capture import records
+from opguard.capture.dynamo_marks import runs_program
 from opguard.capture.frames import standin
 from opguard.capture.mode import tensors_in
 from opguard.capture.session import ANY, Call, Session
@@ -134,6 +135,7 @@ def _wrap(session: Session, name: str, orig: Callable[..., Any], thread: int,
     fn = f"torch.distributed.{name}"
 
     @functools.wraps(orig)
+    @runs_program
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         s = session
         if not s.active or s.busy or torch.compiler.is_dynamo_compiling() or threading.get_ident() != thread:
@@ -210,6 +212,7 @@ def _wrap_objects(session: Session, name: str, orig: Callable[..., Any], thread:
     fn = f"torch.distributed.{name}"
 
     @functools.wraps(orig)
+    @runs_program
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         s = session
         if not s.active or s.busy or torch.compiler.is_dynamo_compiling() or threading.get_ident() != thread:
@@ -280,10 +283,12 @@ class Collectives:
         originals = self.originals
 
         @functools.wraps(new_fn)
+        @runs_program
         def p2p_new(klass: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
             return new_fn(klass, originals.get(op, op), *args, **kwargs)
 
         @functools.wraps(init)
+        @runs_program
         def p2p_init(self_: Any, op: Any, *args: Any, **kwargs: Any) -> None:
             init(self_, originals.get(op, op), *args, **kwargs)
 

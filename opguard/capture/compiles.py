@@ -19,8 +19,10 @@ from __future__ import annotations
 
 import importlib
 import sys
+import types
 from typing import Any
 
+from opguard.capture import dynamo_marks
 from opguard.capture.session import Session
 
 try:  # the [torch] extra installs it; without it, only a Dynamo imported before capture starts is seen
@@ -58,6 +60,10 @@ class CompileWindows:
             self.session.failed("recording", err)
             return
         self.handler = callback_handler
+        try:
+            skip_own_frames()
+        except Exception as err:  # pragma: no cover - a PyTorch without code marks: said once, the program goes on
+            self.session.failed("recording", err)
 
     def _start(self, *_args: Any) -> None:
         if self.installed:
@@ -80,3 +86,71 @@ class CompileWindows:
                     pass
         while self.open:
             self._end()
+        dynamo_marks.mark_new = None
+
+
+def _codes(obj: Any, out: set[types.CodeType]) -> None:
+    """Every code object of ``obj`` (a function, a class's methods and properties), nested ones too."""
+    if isinstance(obj, (staticmethod, classmethod)):
+        obj = obj.__func__
+    if isinstance(obj, property):
+        for f in (obj.fget, obj.fset, obj.fdel):
+            _codes(f, out)
+        return
+    code = getattr(obj, "__code__", None) if isinstance(obj, types.FunctionType) else None
+    stack = [code] if isinstance(code, types.CodeType) else []
+    while stack:
+        c = stack.pop()
+        if c in out:
+            continue
+        out.add(c)
+        stack.extend(k for k in c.co_consts if isinstance(k, types.CodeType))
+
+
+def own_codes() -> set[types.CodeType]:
+    """The code objects of capture's own modules (functions, methods, nested functions)."""
+    out: set[types.CodeType] = set()
+    for name, mod in list(sys.modules.items()):
+        if mod is None or not (name == "opguard.capture" or name.startswith("opguard.capture.")):
+            continue
+        for obj in list(vars(mod).values()):
+            if isinstance(obj, type) and obj.__module__ == name:
+                for member in list(vars(obj).values()):
+                    _codes(member, out)
+            elif getattr(obj, "__module__", None) == name:
+                _codes(obj, out)
+    return out
+
+
+def skip_own_frames() -> int:
+    """Dynamo never compiles a frame of capture's own code as a root frame (§10, ``dynamo_marks``).
+
+    Where Dynamo runs a frame of the program eagerly with its frame callback still on (a graph
+    break inside a loop, ``torch.compiler.disable(recursive=False)``), it tries every frame that
+    frame calls as a new root: it compiled capture's ``__torch_function__`` with the first ``func``
+    baked in and no guard on it, and ran that graph for later calls of other functions
+    (``x.amax()`` returned ``x.sum()``); it compiled ``Module.named_modules`` called by capture's
+    module hook, which raised. Every capture frame now runs as it is (``skip_code``'s marking):
+    the frames that call the program's function (``dynamo_marks.runs_program``, stand-ins) leave
+    their callees to Dynamo as without capture; every other capture frame runs its callees without
+    Dynamo. Dynamo still inlines capture's mode where it traces a program's frame. Returns how many
+    code objects were marked.
+    """
+    from torch._dynamo.eval_frame import set_code_exec_strategy
+    from torch._dynamo.types import FrameAction, FrameExecStrategy
+
+    from opguard.capture import frames
+
+    own = FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP)
+    caller = FrameExecStrategy(FrameAction.SKIP, FrameAction.DEFAULT)
+
+    def mark_caller(code: types.CodeType) -> None:
+        set_code_exec_strategy(code, caller)
+
+    codes = own_codes()
+    for c in codes:
+        set_code_exec_strategy(c, caller if c in dynamo_marks.PROGRAM_CALLERS else own)
+    dynamo_marks.mark_new = mark_caller
+    for code in frames.standin_codes():  # stand-ins made before Dynamo was imported
+        mark_caller(code)
+    return len(codes)

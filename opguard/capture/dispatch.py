@@ -16,6 +16,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from opguard.capture import records
+from opguard.capture.dynamo_marks import runs_program
 from opguard.capture.frames import standin
 from opguard.capture.mode import _grew, _split, tensors_in, unwritten_inputs
 from opguard.capture.session import Call, Session
@@ -75,6 +76,7 @@ class AtenMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
         super().__init__()  # type: ignore[no-untyped-call]
         self.session = session
 
+    @runs_program
     def __torch_dispatch__(self, func: Any, types: Any, args: Sequence[Any] = (),
                            kwargs: Mapping[str, Any] | None = None) -> Any:
         kwargs = kwargs or {}

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch.autograd.forward_ad as fwad
 
+from opguard.capture.dynamo_marks import runs_program
 from opguard.capture.session import Session
 
 MAKE = "torch._make_dual"
@@ -62,6 +63,7 @@ class DualLevels:
         session = self.session
 
         @functools.wraps(orig)
+        @runs_program
         def exit_dual_level(*, level: int | None = None) -> Any:
             try:
                 gone = fwad._current_level if level is None else level

@@ -41,12 +41,15 @@ from typing import Any
 
 import torch.overrides
 
+from opguard.capture.dynamo_marks import new_program_code, runs_program
+
 Call = Callable[[Callable[..., Any], Sequence[Any], Mapping[str, Any]], Any]
 _HANDLE = torch.overrides.handle_torch_function.__code__
 _gettrace, _getprofile = sys.gettrace, sys.getprofile
 _MAX = 1 << 13  # stand-ins kept (each holds its caller's globals); cleared when full (generated code can make many)
 
 
+@runs_program
 def plain(f: Callable[..., Any], a: Sequence[Any], k: Mapping[str, Any]) -> Any:
     """The call without a stand-in (no Python caller, or stand-ins unavailable)."""
     return f(*a, **k)
@@ -110,10 +113,16 @@ def _new(frame: FrameType, key: tuple[int, int]) -> Call:
     code = frame.f_code
     line = frame.f_lineno or code.co_firstlineno
     fn: Call = FunctionType(_code_for(code, line), frame.f_globals)
+    new_program_code(fn.__code__)  # Dynamo: it calls the program's function (dynamo_marks)
     if len(_standins) >= _MAX:
         _standins.clear()
     _standins[key] = (code, fn)
     return fn
+
+
+def standin_codes() -> list[CodeType]:
+    """The code objects of the stand-ins made so far."""
+    return [fn.__code__ for _code, fn in list(_standins.values())]
 
 
 def _caller(frame: FrameType | None) -> FrameType | None:
@@ -180,6 +189,7 @@ def standin(frame: FrameType | None) -> Call:
 
 
 def _chained(chain: list[Any]) -> Call:
+    @runs_program
     def call(f: Callable[..., Any], a: Sequence[Any], k: Mapping[str, Any]) -> Any:
         for s in chain[:-1]:  # chain[-1](chain[-2], (... chain[0], (f, a, k) ...)): outermost runs first
             f, a, k = s, (f, a, k), {}

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from opguard.capture.dynamo_marks import runs_program
 from opguard.capture.session import Session
 
 _METHODS = ("then", "add_done_callback")
@@ -56,6 +57,7 @@ class FutureCallbacks:
 
         def unrecorded(callback: Callable[[Any], Any]) -> Callable[[Any], Any]:
             @functools.wraps(callback)
+            @runs_program
             def run(fut: Any) -> Any:
                 if threading.get_ident() != thread:  # the backend's thread: not recorded anyway
                     return callback(fut)
@@ -67,6 +69,7 @@ class FutureCallbacks:
             return run
 
         @functools.wraps(orig)
+        @runs_program
         def attach(fut: Any, callback: Callable[[Any], Any]) -> Any:
             return orig(fut, unrecorded(callback) if callable(callback) else callback)
 

@@ -44,6 +44,7 @@ from torch.overrides import TorchFunctionMode
 
 from opguard.capture import duals, records
 from opguard.capture.customops import program_op
+from opguard.capture.dynamo_marks import runs_program
 from opguard.capture.frames import register, standin
 from opguard.capture.session import ANY as _ANY
 from opguard.capture.session import Call, Session
@@ -328,6 +329,7 @@ class CaptureMode(TorchFunctionMode):
         except TypeError:  # an unhashable callable: always the Python handler
             return
 
+    @runs_program
     def __torch_function__(self, func: Any, types: Any, args: Sequence[Any] = (),
                            kwargs: Mapping[str, Any] | None = None) -> Any:
         if _compiling() or _compile_flags._is_compiling_flag or _jit_tracing() is not None:  # Dynamo, torch.export,
@@ -338,6 +340,7 @@ class CaptureMode(TorchFunctionMode):
             return fast(self, _getframe(1), func, types, args, kwargs)
         return self.handle(_getframe(1), func, types, args, kwargs)
 
+    @runs_program
     def handle(self, caller: Any, func: Any, types: Any, args: Sequence[Any], kwargs: Mapping[str, Any] | None
                ) -> Any:
         """One intercepted call of ``func`` made from the frame ``caller``."""

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from opguard.capture.dynamo_marks import runs_program
 from opguard.capture.session import Session
 
 _compiling = torch.compiler.is_dynamo_compiling
@@ -49,6 +50,7 @@ class ResizeGuard:
         session = self.session
 
         @functools.wraps(orig)
+        @runs_program
         def resize_(storage: Any, size: Any) -> Any:
             if _compiling():
                 return orig(storage, size)
@@ -67,6 +69,7 @@ class ResizeGuard:
         copy = getattr(cls, "copy_", None)
 
         @functools.wraps(copy)  # type: ignore[arg-type]
+        @runs_program
         def copy_(storage: Any, src: Any, *args: Any, **kwargs: Any) -> Any:
             if _compiling() or copy is None:
                 return copy(storage, src, *args, **kwargs)  # type: ignore[misc]

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch.utils
 
+from opguard.capture.dynamo_marks import runs_program
 from opguard.capture.session import Session
 
 
@@ -34,6 +35,7 @@ class SwapGuard:
         session = self.session
 
         @functools.wraps(orig)
+        @runs_program
         def swap_tensors(t1: Any, t2: Any) -> Any:
             try:
                 session.release(t1)

@@ -52,7 +52,7 @@ def test_zoo_of_model_families_bitwise_equal_under_opguard_run_capture(tmp_path:
     assert "Traceback" not in p.stderr + c.stderr and "RecursionError" not in c.stderr
     a = json.loads((plain / "zoo.json").read_text())
     b = json.loads((cap / "zoo.json").read_text())
-    assert set(a) == set(b) and len(a) == 12
+    assert set(a) == set(b) and len(a) == 14
     d = trace_dir(base)
     meta = json.loads((d / "meta.json").read_text())
     for family in a:  # eval_encoder too: kept on PyTorch's fused fast path, one record (fused.py)

@@ -9,6 +9,7 @@ Every model here is this project's own small version of a family (no third-party
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import os
@@ -277,6 +278,61 @@ def compiled() -> list[str]:
     return bits(y) + bits(y2) + bits(loss) + bits(model[0].weight.grad)
 
 
+def compiled_graph_break() -> list[str]:
+    """Frames Dynamo runs eagerly with its frame callback on (a graph break inside a loop; a helper
+    disabled with ``recursive=False``): it compiles each frame they call as a new root."""
+    backend = os.environ.get("ZOO_COMPILE_BACKEND", "inductor")
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = nn.ModuleList([nn.Linear(8, 8) for _ in range(3)])
+            self.head = nn.Linear(8, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for i, layer in enumerate(self.layers):
+                x = torch.tanh(layer(x))
+                if i == 0:
+                    print(f"zoo: layer0 mean {x.mean().item():.4f}", file=sys.stderr)  # a graph break in the loop
+            return self.head(x)
+
+    @torch.compiler.disable(recursive=False)
+    def helper(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return t.sum(), t.amax()  # two functions, same argument types
+
+    net = Net()
+    cnet = torch.compile(net, backend=backend)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    x, y = torch.randn(16, 8), torch.randint(0, 2, (16,))
+    out: list[str] = []
+    for _ in range(3):
+        loss = F.cross_entropy(cnet(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        out += bits(loss)
+    s, m = torch.compile(lambda t: helper(t + 1), backend=backend)(torch.arange(4.0))
+    return out + bits(s) + bits(m) + [b for p in net.parameters() for b in bits(p)]
+
+
+def traced_and_exported() -> list[str]:
+    """``torch.jit.trace`` writes each traced call's Python location into its code, graph and saved
+    file; strict ``torch.export`` refuses global module hooks: both as without capture."""
+    def f(h: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(h, h.shape[-1:]).relu()
+
+    tf = torch.jit.trace(f, torch.randn(2, 4))
+    buf = io.BytesIO()
+    torch.jit.save(tf, buf)
+    lin = nn.Linear(3, 2)
+    ep = torch.export.export(lin, (torch.randn(1, 3),), strict=True)
+    x = torch.randn(1, 3)
+    buf.seek(0)
+    # the saved file's bytes differ: its debug call stacks list capture's tracers.py frame (docs/capture.md §10)
+    return [tf.code, str(tf.graph), torch.jit.load(buf).code, str(ep.graph),
+            *bits(ep.module()(x)), *bits(tf(torch.ones(2, 4)))]
+
+
 def eval_encoder() -> list[str]:
     layer = nn.TransformerEncoderLayer(32, 4, dim_feedforward=64, dropout=0.1, batch_first=True)
     enc = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False).eval()
@@ -291,6 +347,7 @@ FAMILIES: dict[str, Callable[[], list[str]]] = {
     "conv_bn_residual": conv_bn_residual, "rnn_packed": rnn_packed, "embedding_bag": embedding_bag,
     "checkpoint": checkpointed, "autocast_bf16": autocast_bf16, "custom_function_inplace": custom_function_inplace,
     "adamw_clip_sched": adamw_clip_sched, "compiled": compiled, "eval_encoder": eval_encoder,
+    "compiled_graph_break": compiled_graph_break, "traced_and_exported": traced_and_exported,
 }
 
 
