@@ -136,8 +136,15 @@ def skip_own_frames() -> int:
     Dynamo. Dynamo still inlines capture's mode where it traces a program's frame. Returns how many
     code objects were marked.
     """
-    from torch._dynamo.eval_frame import set_code_exec_strategy
-    from torch._dynamo.types import FrameAction, FrameExecStrategy
+    from torch._C._dynamo.eval_frame import (
+        _FrameAction as FrameAction,
+    )
+    from torch._C._dynamo.eval_frame import (
+        _FrameExecStrategy as FrameExecStrategy,
+    )
+    from torch._C._dynamo.eval_frame import (
+        set_code_exec_strategy,
+    )
 
     from opguard.capture import frames
 
