@@ -180,6 +180,31 @@ def _dtensor_local(t: torch.Tensor) -> torch.Tensor | None:
     return local if isinstance(local, torch.Tensor) else None
 
 
+def _span(t: torch.Tensor, base: torch.Tensor) -> tuple[int, int] | None:
+    """The bytes ``[lo, hi)`` of ``base``'s memory that ``t`` (a view of it) covers, counted from
+    ``base``'s first element, when ``t`` covers them densely (contiguous, with elements); else None."""
+    try:
+        n = t.numel()
+        if not n or not t.is_contiguous():
+            return None
+        size = t.element_size()
+        lo = (t.storage_offset() * size) - (base.storage_offset() * base.element_size())
+        return (int(lo), int(lo + n * size)) if lo >= 0 else None
+    except Exception:  # no storage (a wrapper subclass)
+        return None
+
+
+def _merged(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Byte ranges sorted and joined where they touch or overlap."""
+    out: list[tuple[int, int]] = []
+    for lo, hi in sorted(spans):
+        if out and lo <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], hi))
+        else:
+            out.append((lo, hi))
+    return out
+
+
 def _region(t: torch.Tensor, ptr: int) -> int:
     """The address where ``t``'s storage starts (``ptr`` is ``t.data_ptr()``): the same for every alias
     of that memory — views at any offset, and ``p.data`` / ``detach()``, which have a version counter
@@ -387,6 +412,8 @@ class Session:
         self._stage_failures: dict[tuple[str, str], int] = {}  # (stage, exception type) -> count
         # outputs of uninitialised-memory ops not written since: data_ptr -> (weak ref, _version)
         self._uninit: dict[int, tuple[Callable[[], torch.Tensor | None], int | None]] = {}
+        # base address -> (the marked base, byte ranges of it written whole since it was marked, §3.7)
+        self._parts: dict[int, tuple[Callable[[], torch.Tensor | None], list[tuple[int, int]]]] = {}
         # storage start (_region) -> the tensor seen sharing that memory outside torch (numpy, DLPack):
         # its contents are never cached (shared())
         self._shared: dict[int, weakref.ref[torch.Tensor]] = {}
@@ -700,13 +727,58 @@ class Session:
             return
         if whole and base is t:
             self._uninit.pop(ptr, None)
+            self._parts.pop(ptr, None)
             return
+        if whole and mark is not None and mark[0]() is base:  # a dense view written whole: that part
+            span = _span(t, base)  # of the base is a result now (PowerSGD writes its views of one
+            if span is not None:  # torch.empty buffer one by one: the written ones read as unwritten)
+                held = self._parts.get(ptr)
+                parts = _merged([*(held[1] if held is not None and held[0]() is base else []), span])
+                if base.is_contiguous() and parts == [(0, base.numel() * base.element_size())]:
+                    self._uninit.pop(ptr, None)  # every byte of the base written
+                    self._parts.pop(ptr, None)
+                    return
+                self._parts[ptr] = (mark[0], parts)
+                while len(self._parts) > CACHE_ENTRIES:
+                    del self._parts[next(iter(self._parts))]
         try:
             self._uninit[ptr] = (weakref.ref(base), base._version + pending)
         except (TypeError, RuntimeError):  # not weakly referenceable; an inference tensor
             return
         while len(self._uninit) > CACHE_ENTRIES:  # bounded: the oldest marks go first
             del self._uninit[next(iter(self._uninit))]
+
+    def _rewrote_part(self, t: torch.Tensor) -> bool:
+        """``t``, a recorded op's output, is a view in a part of a marked base already written whole:
+        the op wrote result memory again (``q.div_(norm)`` after ``q.copy_(...)``), which moved the
+        counter the base's views share; the mark keeps the rest unwritten, at the new version. (Before,
+        such a write at the base's own address ended the whole base's mark, and the never-written
+        views of the buffer were digested: PowerSGD.)"""
+        try:
+            base = t._base
+        except RuntimeError:
+            return False
+        if base is None:
+            return False
+        ptr = _address(base)
+        mark = self._uninit.get(ptr) if ptr is not None else None
+        if ptr is None or mark is None or mark[1] is None or mark[0]() is not base:
+            return False
+        if not self._written_part(t, base, ptr):
+            return False
+        try:
+            self._uninit[ptr] = (mark[0], base._version)
+        except RuntimeError:  # an inference tensor
+            return False
+        return True
+
+    def _written_part(self, t: torch.Tensor, base: torch.Tensor, ptr: int) -> bool:
+        """``t`` lies in the parts of the marked ``base`` (at ``ptr``) written whole since it was marked."""
+        held = self._parts.get(ptr)
+        if held is None or held[0]() is not base:
+            return False
+        span = _span(t, base)
+        return span is not None and any(lo <= span[0] and span[1] <= hi for lo, hi in held[1])
 
     def resized(self, old: int, new: int, old_bytes: int, new_bytes: int) -> None:
         """A storage was resized (``UntypedStorage.resize_``, which capture's mode does not see: FSDP2
@@ -996,7 +1068,7 @@ class Session:
                 uninitialized = True
             else:
                 ptr = _address(t)
-                if ptr is not None:
+                if ptr is not None and not self._rewrote_part(t):
                     self._uninit.pop(ptr, None)  # a recorded op wrote this memory: its content is a result now
         if self.host_digest and not uninitialized and (output or not self._uninit or not self._still_uninitialized(t)):
             try:
@@ -1083,7 +1155,11 @@ class Session:
             return  # a view at its base's address: the base's mark covers it (and outlives it)
         if t._base is None and self._covered(t, ptr):
             return  # a view made below autograd (level=dispatch), which sets its _base only once the op returns
+        if t._base is not None and self._unwritten_view(t):
+            return  # a view at an offset of a marked base, in a part not written: the base's mark covers it
+            # (a mark of its own ended at the first write through any sibling view: the counter is shared)
         try:
+            self._parts.pop(ptr, None)
             self._uninit[ptr] = (weakref.ref(t), t._version)
         except (TypeError, RuntimeError):  # not weakly referenceable; an inference tensor (no version counter)
             return
@@ -1132,7 +1208,7 @@ class Session:
             if base._version != version:
                 del self._uninit[ptr]
                 return False
-            return t._version == version
+            return t._version == version and not self._written_part(t, base, ptr)
         except RuntimeError:  # an inference tensor at that address
             return False
 
@@ -1154,7 +1230,8 @@ class Session:
         if version is None:  # memory a storage resize grew from nothing (resized())
             return True
         try:
-            return ref() is base and base._version == version
+            return (ref() is base and base._version == version
+                    and not (ptr is not None and self._written_part(t, base, ptr)))
         except RuntimeError:  # an inference tensor
             return False
 
@@ -1611,7 +1688,7 @@ class Session:
             # torch.utils.swap_tensors refuses a tensor that has any)
             for s in self._cache.values():
                 s.ref = None
-            for held in (self._cache, self._at, self._seen, self._uninit, self._shared):
+            for held in (self._cache, self._at, self._seen, self._uninit, self._parts, self._shared):
                 held.clear()
             self.wrappers.clear()
 

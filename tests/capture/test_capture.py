@@ -1840,11 +1840,44 @@ def test_a_partial_write_leaves_the_rest_uninitialized(tmp_path: Path) -> None:
     assert [c["outputs"][0]["digest"] for c in copies] == [oc_digest(x[0]), oc_digest(x[1])]
     fill = next(r for r in op if r["fn"] == "Tensor.fill_")
     assert fill["inputs"][0]["uninitialized"] is True and fill["outputs"][0]["digest"] == oc_digest(torch.ones(2, 3))
-    assert sums[2]["inputs"][0]["uninitialized"] is True and sums[2]["outputs"][0]["digest"]
+    # every byte of ``half`` written whole through its views (rows 0, 1, then 2-3): content now
+    assert sums[2]["inputs"][0]["digest"] == oc_digest(torch.cat([x[:2], torch.ones(2, 3)]))
+    assert "uninitialized" not in sums[2]["inputs"][0]
     ic = next(r for r in op if r["fn"] == "Tensor.index_copy_")
     assert ic["outputs"][0]["uninitialized"] is True and ic["outputs"][0]["digest"] is None
     add = next(r for r in op if r["fn"] == "torch.add")
     assert add["outputs"][0]["digest"] == oc_digest(x + 1) and sums[3]["inputs"][0]["digest"] == oc_digest(x + 1)
+
+
+def test_views_made_before_a_write_keep_their_own_state(tmp_path: Path) -> None:
+    """PowerSGD's pattern: every view of one ``torch.empty`` buffer is made first, then written one
+    by one. After ``a.copy_(...)`` wrote the first view whole, ``a`` (at the buffer's own address)
+    still read as uninitialised, so its content was never compared; and its sibling ``b``, marked on
+    its own when made, lost that mark at the first write through any view (the version counter is
+    shared), so its never-written bytes were digested: identical runs of DDP with ``powerSGD_hook``
+    compared with 6 false mismatches per rank (hand test). Now the buffer's mark keeps the byte
+    ranges written whole through dense views (docs/capture.md §3.7)."""
+    x = torch.arange(8.0)
+    with oc.capture(env={"OPGUARD_TRACE_OUTPUT_BASE": str(tmp_path)}) as cap:
+        buf = torch.empty(16)
+        a, b, c = buf[0:8], buf[8:12], buf[12:16]
+        a.copy_(x)
+        a.div_(2)        # written again, at the buffer's own address: the rest stays unwritten
+        a.sum()          # written whole: content
+        b.sum()          # never written: uninitialised
+        b.zero_()
+        b.sum()
+        c.mul(2)         # still unwritten
+        c.fill_(1.0)     # the last part: every byte of buf written
+        buf.sum()
+    op = ops(read_trace(cap.path))
+    sums = [r["inputs"][0] for r in op if r["fn"] == "Tensor.sum"]
+    assert sums[0]["digest"] == oc_digest(x / 2) and "uninitialized" not in sums[0]
+    assert sums[1]["uninitialized"] is True and sums[1]["digest"] is None
+    assert sums[2]["digest"] == oc_digest(torch.zeros(4)) and "uninitialized" not in sums[2]
+    mul = next(r for r in op if r["fn"] == "Tensor.mul")
+    assert mul["inputs"][0]["uninitialized"] is True
+    assert sums[3]["digest"] == oc_digest(torch.cat([x / 2, torch.zeros(4), torch.ones(4)]))
 
 
 def test_a_lazy_backward_compile_is_not_recorded(out_env: dict[str, str]) -> None:
