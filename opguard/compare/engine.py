@@ -82,6 +82,7 @@ class _Index:
     sites: list[RecordSite] = field(default_factory=list)
     inputs: array[int] = field(default_factory=lambda: array("Q"))   # captured-input key without the function
     nested: bytearray | None = None        # capture: 1 for an operation made inside another recorded one (depth > 0)
+    steps: array[int] = field(default_factory=lambda: array("q"))   # capture: each operation's step (none: 0)
 
 
 _MASK = (1 << 64) - 1
@@ -115,10 +116,11 @@ def _index_local(stream: Stream) -> tuple[list[str], _Index]:
         sites: list[RecordSite] = []
         inputs = array("Q")
         nested = bytearray()
+        steps = array("q")
         all_digests = _index_capture(stream, intern, keys, line_keys, anchors, coll, files, offsets, site_ids, sites,
-                                     inputs, nested)
+                                     inputs, nested, steps)
         return _table(intern), _Index(keys, line_keys, anchors, coll, all_digests, files, offsets, stream.dumps,
-                                      stream.notes, site_ids, sites, inputs, nested)
+                                      stream.notes, site_ids, sites, inputs, nested, steps)
     all_digests = True
     ref_ids = array("q")
     ref_sites: list[RecordSite] = []
@@ -158,7 +160,8 @@ _NO_SLOT = object()
 
 def _index_capture(stream: Stream, intern: dict[str, int], keys: array[int], line_keys: array[int],
                    anchors: array[int], coll: list[int], files: array[int], offsets: array[int],
-                   site_ids: array[int], site_list: list[RecordSite], inputs: array[int], nested: bytearray) -> bool:
+                   site_ids: array[int], site_list: list[RecordSite], inputs: array[int], nested: bytearray,
+                   steps: array[int]) -> bool:
     """Pass 1 over a capture stream (Stream.index_fields, inlined for speed: the same keys and
     anchors, and each operation's call site for pass 2); returns whether every record has a
     source-line digest."""
@@ -227,6 +230,7 @@ def _index_capture(stream: Stream, intern: dict[str, int], keys: array[int], lin
         offsets.append(off)
         site_ids.append(sid)
         nested.append(1 if obj.get("depth") else 0)
+        steps.append(obj.get("step") or 0)
     return all_digests
 
 
@@ -710,7 +714,8 @@ def _compare_stream(writer: ExportWriter, sa: Stream, sb: Stream, tracks: tuple[
                                array("q", map(site_b.__getitem__, ib.site_ids)), ia.inputs, ib.inputs,
                                ia.nested, ib.nested, array("q", map(line_a.__getitem__, ia.site_ids)),
                                bytearray(map(edited_a.__getitem__, ia.site_ids)),
-                               bytearray(map(edited_b.__getitem__, ib.site_ids)))
+                               bytearray(map(edited_b.__getitem__, ib.site_ids)),
+                               ia.steps or None, ib.steps or None)
     summ.ops_a, summ.ops_b = len(ia.keys), len(ib.keys)
     summ.notes.extend([*(f"run A: {n}" for n in sa.notes), *(f"run B: {n}" for n in sb.notes)])
     rows_a, rows_b = pairing.row_arrays()

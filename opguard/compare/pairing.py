@@ -6,8 +6,10 @@ The rules, and nothing else (no similarity scores, no repair passes):
    basis ``equal-sequence``.
 2. Otherwise, **anchors**: an anchor key that occurs exactly once on each side matches those two
    operations, unless they are at different call sites neither of which is on a line the source
-   diff says was edited or is new; of those matches only a longest set whose order agrees on both
-   sides is kept (longest increasing subsequence; ties keep the earliest), basis ``input-anchor``.
+   diff says was edited or is new, or they are not in the same step and the same occurrence of
+   their call-site keys in it (the k-th call at its site on one side, another count on the other);
+   of those matches only a longest set whose order agrees on both sides is kept (longest
+   increasing subsequence; ties keep the earliest), basis ``input-anchor``.
 3. Between consecutive anchors (and before the first / after the last), equal call-site key
    sequences pair in order, basis ``between-anchors``; a segment that differs only in the function
    called at the same call sites pairs in order too when the first such call at each of those
@@ -31,6 +33,7 @@ from bisect import bisect_left
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 # bases of a pair
 EQUAL_SEQUENCE = "equal-sequence"
@@ -131,6 +134,21 @@ def _lis(pairs: list[tuple[int, int]]) -> list[tuple[int, int]]:
         out.append(pairs[k])
         k = prev[k]
     out.reverse()
+    return out
+
+
+def _occurrences(keys: Sequence[int], steps: Sequence[int] | None = None) -> array[int]:
+    """For each position, how many earlier positions of the same step hold the same key (0 for a
+    key's first call in its step); without steps (or a length that does not fit), in the stream."""
+    seen: dict[Any, int] = {}
+    get = seen.get
+    out = array("q", bytes(8 * len(keys)))
+    per_step = steps is not None and len(steps) == len(keys)
+    for i, k in enumerate(keys):
+        key: Any = (steps[i], k) if per_step and steps is not None else k
+        n = get(key, 0)
+        out[i] = n
+        seen[key] = n + 1
     return out
 
 
@@ -308,7 +326,8 @@ def pair_streams(keys_a: Sequence[int], keys_b: Sequence[int],
                  inputs_a: Sequence[int] | None = None, inputs_b: Sequence[int] | None = None,
                  nested_a: Sequence[int] | None = None, nested_b: Sequence[int] | None = None,
                  lines_a: Sequence[int] | None = None, changed_a: Sequence[int] | None = None,
-                 changed_b: Sequence[int] | None = None) -> Pairing:
+                 changed_b: Sequence[int] | None = None, steps_a: Sequence[int] | None = None,
+                 steps_b: Sequence[int] | None = None) -> Pairing:
     """Pair two streams given their call-site keys and anchor keys (``NO_ANCHOR`` = none).
 
     ``sites_*`` (call-site keys without the function) and ``inputs_*`` (captured-input keys without
@@ -318,7 +337,8 @@ def pair_streams(keys_a: Sequence[int], keys_b: Sequence[int],
     functions that differ make different nested calls (:func:`_top_level`); ``lines_a`` (A's call-site
     identities without the context) let one call on an edited line establish it for every module
     that runs the line; ``changed_*`` (1 for an operation on a line the source diff says was edited)
-    let a segment pair around the calls an edited line makes in other numbers (:func:`_edited_lines`)."""
+    let a segment pair around the calls an edited line makes in other numbers (:func:`_edited_lines`);
+    ``steps_*`` (each operation's step, none: all 0) keep anchors within a step (:func:`_occurrences`)."""
     na, nb = len(keys_a), len(keys_b)
     a_to_b = array("q", [-1]) * na
     b_to_a = array("q", [-1]) * nb
@@ -340,6 +360,15 @@ def pair_streams(keys_a: Sequence[int], keys_b: Sequence[int],
         # one of the two lines is edited or new (code that moved); equal inputs at two lines the
         # diff keeps are two different calls (a loop's extra iteration read what the next line reads)
         matches = [(i, j) for i, j in matches if sites_a[i] == sites_b[j] or changed_a[i] or changed_b[j]]
+    if matches:  # not across iterations: the same step, and the k-th call at a call site in it only
+        # with the k-th at its counterpart (an edit that shifted the random stream made a data-indexing
+        # call draw the same batch at A's step 9 and B's step 4: that anchor paired whole steps off by
+        # five; a sampling loop's iteration 2 in A drew what iteration 0 did in B)
+        occ_a, occ_b = _occurrences(keys_a, steps_a), _occurrences(keys_b, steps_b)
+        if steps_a is not None and steps_b is not None and len(steps_a) == na and len(steps_b) == nb:
+            matches = [(i, j) for i, j in matches if occ_a[i] == occ_b[j] and steps_a[i] == steps_b[j]]
+        else:
+            matches = [(i, j) for i, j in matches if occ_a[i] == occ_b[j]]
     bs = [j for _, j in matches]
     # when B's positions already increase (the usual case) the longest monotone set is all of them
     kept = matches if all(map(operator.lt, bs, itertools.islice(bs, 1, None))) else _lis(matches)

@@ -52,8 +52,32 @@ def test_empty_counterpart_segment() -> None:
 
 def test_duplicate_anchor_keys_are_not_anchors() -> None:
     # anchor 50 occurs twice in B: not unique, so it cannot anchor
-    p = pair_streams([1, 2], [1, 2, 2], [50, 60], [50, 50, 60])
+    p = pair_streams([1, 2], [1, 3, 2], [50, 60], [50, 50, 60])
     assert p.anchors == 1 and p.a_to_b[1] == 2 and p.basis_a[0] != "input-anchor"
+
+
+def test_an_anchor_pairs_only_the_same_occurrence_of_its_call_site() -> None:
+    """A loop's call drew the same data index in A's iteration 9 and B's iteration 4 (an edit that
+    shifted the random stream): equal inputs, a unique anchor key on each side, and that anchor paired
+    whole iterations five apart, with false 'arguments differ: lr' mismatches (hand test). The k-th
+    call at a call site pairs only with the k-th call at its counterpart."""
+    # 3 iterations of (index draw 7, step 8); A's iteration 2 and B's iteration 0 drew equal input (99)
+    keys = [7, 8, 7, 8, 7, 8]
+    p = pair_streams(keys, [7, 8, 5, 7, 8, 7, 8], [1, 2, 3, 4, 99, 6], [99, 12, 13, 14, 15, 16, 17])
+    assert p.anchors == 0
+    assert p.a_to_b[4] != 0 and p.b_to_a[0] != 4
+    # the same occurrence still anchors (an extra call at another site in between)
+    q = pair_streams([7, 8, 7, 8], [7, 8, 5, 7, 8], [1, 2, 99, 4], [11, 12, 13, 99, 14])
+    assert q.anchors == 1 and q.a_to_b[2] == 3 and q.basis_a[2] == "input-anchor"
+    # with steps, occurrences count within a step, and an anchor stays in its step: B calls 7 twice
+    # per step (a loop run twice), A once; A's step-1 call anchors with B's first of step 1
+    r = pair_streams([7, 8, 7, 8], [7, 7, 8, 7, 7, 8], [1, 2, 99, 4], [11, 12, 13, 99, 15, 16],
+                     steps_a=[0, 0, 1, 1], steps_b=[0, 0, 0, 1, 1, 1])
+    assert r.anchors == 1 and r.a_to_b[2] == 3
+    # the same input one step apart is not an anchor, whatever the occurrence
+    t = pair_streams([7, 8, 7, 8], [7, 5, 8, 7, 8], [99, 2, 3, 4], [11, 12, 13, 99, 14],
+                     steps_a=[0, 0, 1, 1], steps_b=[0, 0, 0, 1, 1])
+    assert t.anchors == 0
 
 
 def test_order_conflict_keeps_the_longest_monotone_set() -> None:
