@@ -47,12 +47,12 @@ from opguard.compare.summary import (
     INHERITED,
     MODULE_DIFFERS,
     OUTPUTS_DIFFER,
-    RANDOM_DIFFERS,
     REORDERED,
     UNSEEN_INPUTS,
     FirstMismatch,
     StreamSummary,
     Summary,
+    random_differs,
 )
 from opguard.errors import ConfigError, OpguardError
 from opguard.staging import forkpool
@@ -325,6 +325,7 @@ class _Chunk:
     inherited: int = 0
     uninitialized: int = 0
     last_unresolved: str | None = None
+    first_random_unresolved: str | None = None  # the first unpaired operation that drew random numbers
     first_unresolved: str | None = None
     first_new_b: str | None = None
     first_gone_a: str | None = None
@@ -567,7 +568,7 @@ def _run_rows(job: _Job, r0: int, r1: int, writer: ExportWriter) -> _Chunk:
             if d.status == MISMATCH:
                 kind = (FUNCTION_DIFFERS_KIND if d.function and d.inputs_equal else ARGS_DIFFER if d.args else
                         (COLLECTIVE_DIFFERS if ra.collective or rb.collective else
-                         RANDOM_DIFFERS if ra.seeded or rb.seeded else
+                         random_differs(out.first_random_unresolved) if ra.seeded or rb.seeded else
                          MODULE_DIFFERS if ra.whole_module or rb.whole_module else
                          OUTPUTS_DIFFER) if d.inputs_equal else
                         REORDERED if d.reordered else UNSEEN_INPUTS + ", ".join(d.unseen) if d.unseen else INHERITED)
@@ -598,6 +599,11 @@ def _run_rows(job: _Job, r0: int, r1: int, writer: ExportWriter) -> _Chunk:
         out.unresolved += 1
         loc = f"{site.file or '?'}:{site.line if site.line is not None else '?'}"
         out.last_unresolved = f"run {side.run} {site.function} at {loc} ({side.rid(k).decode()}, {reason})"
+        try:  # the first draw only one run made: the likely why of a later draw's difference
+            if out.first_random_unresolved is None and side.record(x, k).seeded:
+                out.first_random_unresolved = f"run {side.run}'s {site.function} at {loc} ({side.rid(k).decode()})"
+        except Exception:  # pragma: no cover - a record pass 1 accepted reads in pass 2 too
+            pass
         if out.first_unresolved is None:
             out.first_unresolved = out.last_unresolved
         # (no-counterpart-in-segment: the other run makes nothing at all between those anchors)

@@ -15,6 +15,16 @@ OUTPUTS_DIFFER = "outputs differ, inputs and arguments equal"
 # the same for a call that draws random numbers (capture's "seeded"): the likely why
 RANDOM_DIFFERS = ("outputs differ, inputs and arguments equal, in a random draw (the generator's state differs: "
                   "another seed, or another number of draws before it)")
+
+
+def random_differs(unpaired_draw: str | None) -> str:
+    """:data:`RANDOM_DIFFERS`, naming the unpaired call that drew random numbers before it, if any."""
+    if unpaired_draw is None:
+        return RANDOM_DIFFERS
+    return ("outputs differ, inputs and arguments equal, in a random draw (the generator's state differs: "
+            f"{unpaired_draw}, a call the other run does not make, drew random numbers before it)")
+
+
 # the same for a collective or point-to-point transfer: what this rank received differs, another
 # rank's data is the likely why
 COLLECTIVE_DIFFERS = ("outputs differ, inputs and arguments equal, in a collective (what this rank received differs: "

@@ -493,6 +493,33 @@ def test_another_seed_is_named_as_a_random_draw(tmp_path: Path) -> None:
         "outputs differ, inputs and arguments equal, in a random draw (the generator's state differs"), fd
 
 
+_DRAWS = """import torch
+import torch.nn.functional as F
+
+torch.manual_seed(0)
+x = torch.ones(8)
+for it in range(3):
+    idx = torch.randint(0, 100, (4,))
+    y = x * idx.float().mean()
+print(y.sum().item())
+"""
+
+
+def test_a_shifted_draw_names_the_unpaired_call_that_drew_before_it(tmp_path: Path) -> None:
+    """B inserts one dropout that draws random numbers: the headline was the next, unchanged draw
+    with the generic 'another seed, or another number of draws before it'; the inserted dropout was
+    named only two lines below it (hand tests: DDPM, a LLaMA sampler, a char GPT). The kind now names
+    the unpaired call that drew before it."""
+    b = _DRAWS.replace("x = torch.ones(8)\n", "x = torch.ones(8)\nx = F.dropout(x, 0.5) + 1\n")
+    runs = _captured_pair(tmp_path, _DRAWS, b)
+    p = run_compare(runs["a"], runs["b"], tmp_path / "v.pftrace", extra=["--json", str(tmp_path / "s.json")])
+    assert p.returncode == 0, p.stderr
+    fd = json.loads((tmp_path / "s.json").read_text())["ranks"][0]["first_divergence"]
+    assert fd["function"] == "torch.randint", fd
+    assert "run B's torch.nn.functional.dropout at " in fd["kind"], fd
+    assert "a call the other run does not make, drew random numbers before it" in fd["kind"], fd
+
+
 _ORDER = """import torch
 
 torch.manual_seed(0)
