@@ -65,6 +65,17 @@ class _NoFlags:
 # program's computation); False while compiled code runs. A PyTorch without it: Dynamo's test alone.
 _compile_flags = torch.compiler if hasattr(torch.compiler, "_is_compiling_flag") else _NoFlags
 _jit_tracing = torch._C._get_tracing_state  # None in eager code; the tracer's state inside torch.jit.trace
+# FakeTensorMode on the dispatch mode stack (AOTAutograd run directly: aot_function, opcheck; a program's
+# own shape inference): the calls then compute nothing, on FakeTensors, and are not the program's computation
+_FAKE = getattr(getattr(torch._C, "_TorchDispatchModeKey", None), "FAKE", None)
+_dispatch_mode: Callable[[Any], Any] = getattr(torch._C, "_get_dispatch_mode", lambda _key: None)
+
+
+def faking() -> bool:
+    """A FakeTensorMode is active on this thread (§10)."""
+    return _FAKE is not None and _dispatch_mode(_FAKE) is not None
+
+
 _skip_one_hop = torch._C._skip_one_hop_torch_function  # redispatch_function without its Python frame
 _getframe = sys._getframe
 
@@ -332,8 +343,9 @@ class CaptureMode(TorchFunctionMode):
     @runs_program
     def __torch_function__(self, func: Any, types: Any, args: Sequence[Any] = (),
                            kwargs: Mapping[str, Any] | None = None) -> Any:
-        if _compiling() or _compile_flags._is_compiling_flag or _jit_tracing() is not None:  # Dynamo, torch.export,
-            # torch.jit.trace: capture is invisible to them (Dynamo folds _compiling() to True: the rest is not traced)
+        if (_compiling() or _compile_flags._is_compiling_flag or _jit_tracing() is not None  # Dynamo, torch.export,
+                or (_FAKE is not None and _dispatch_mode(_FAKE) is not None)):  # torch.jit.trace, fake tensors:
+            # capture is invisible to them (Dynamo folds _compiling() to True: the rest is not traced)
             return func(*args, **(kwargs or {}))
         fast = self.fast
         if fast is not None:  # the common call in C, every other call back to handle() (§3.11)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -1878,6 +1879,34 @@ def test_views_made_before_a_write_keep_their_own_state(tmp_path: Path) -> None:
     mul = next(r for r in op if r["fn"] == "Tensor.mul")
     assert mul["inputs"][0]["uninitialized"] is True
     assert sums[3]["digest"] == oc_digest(torch.cat([x / 2, torch.zeros(4), torch.ones(4)]))
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_calls_on_fake_tensors_are_not_recorded(tmp_path: Path, dynamic: bool) -> None:
+    """AOTAutograd run directly (``aot_function``; ``torch.library.opcheck``), outside
+    ``torch.compile``: its tracing calls run on FakeTensors under a FakeTensorMode and compute nothing.
+    They were recorded (``Tensor.mul`` with FakeTensor inputs), a SymInt argument failed the record
+    (``capture's own recording failed: ... SymInt is not JSON serializable``), and capture's storage
+    ``resize_`` wrapper read a FakeTensor's data pointer: a PyTorch ``UserWarning`` only under
+    capture (hand test). Now capture stands aside while a FakeTensorMode is active."""
+    from functorch.compile import nop
+    from torch._functorch.aot_autograd import aot_function
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+    g = aot_function(f, fw_compiler=nop, dynamic=dynamic)
+    x = torch.randn(3, 4, requires_grad=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with oc.capture(env={"OPGUARD_TRACE_OUTPUT_BASE": str(tmp_path)}) as cap:
+            y = g(x).sum()
+    assert y.item() == (x.detach() * 2).sum().item()
+    assert not [w for w in caught if "FakeTensor" in str(w.message)]
+    op = ops(read_trace(cap.path))
+    assert not any(r.get("capture_error") for r in op)
+    assert "Tensor.mul" not in {r["fn"] for r in op}  # the tracing run's call, on FakeTensors
+    assert "Tensor.sum" in {r["fn"] for r in op}
 
 
 def test_a_lazy_backward_compile_is_not_recorded(out_env: dict[str, str]) -> None:
