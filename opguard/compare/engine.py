@@ -441,6 +441,15 @@ def _module(context: str) -> str | None:
     return None if m in ("", "-") else m
 
 
+def _raised(ra: Record, rb: Record) -> str | None:
+    """Which run's call raised what, when only one did or their exceptions differ (its text, 160
+    characters at most): 'outputs.error.present' alone named no exception."""
+    if ra.error == rb.error:
+        return None
+    parts = [f"{run} raised {err[:160]}" for run, err in (("A", ra.error), ("B", rb.error)) if err]
+    return "; ".join(parts) + ("" if ra.error and rb.error else f"; {'B' if ra.error else 'A'} did not")
+
+
 def _step(item: _Item) -> Any:
     return item.step if isinstance(item, Record) else item[3].get("step")
 
@@ -575,7 +584,7 @@ def _run_rows(job: _Job, r0: int, r1: int, writer: ExportWriter) -> _Chunk:
                 fm = FirstMismatch(rid_a.decode("utf-8", "surrogatepass"), rid_b.decode("utf-8", "surrogatepass"),
                                    ra.function, _where(ra), d.fields, d.numeric, out.unresolved,
                                    _module(ra.context), ra.step, d.args, kind, _where(rb), out.last_unresolved,
-                                   rb.line_map, rb.function if d.function else None)
+                                   rb.line_map, rb.function if d.function else None, _raised(ra, rb))
                 if out.first_mismatch is None:
                     out.first_mismatch = fm
                 if d.introduced:

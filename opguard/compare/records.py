@@ -152,6 +152,7 @@ class Record:
     args: tuple[Arg, ...] | None = None   # schema v2: non-tensor arguments, in argument order
     seeded: bool = False              # capture: the call draws random numbers (docs/capture.md §3.1)
     whole_module: bool = False        # capture: a module recorded as one call (api "module", docs/capture.md §3.13)
+    error: str | None = None          # capture: the exception the call raised (its text, as recorded)
 
     def key(self) -> str:
         """The call-site key that order-based pairing compares (rank is equal within a stream)."""
@@ -371,7 +372,8 @@ def from_capture(obj: Mapping[str, Any], index: int, sites: SiteCache, where: st
             args = (*(args or ()), Arg(AUTOCAST_SLOT, "str", json.dumps(str(autocast))))
         return Record(obj["rank"], index, site.function, site.site, site.file, site.line, site.scope,
                       site.line_digest, site.context, obj.get("seq"), obj.get("step"), site.collective,
-                      inputs, outputs, site.line_map, args, obj.get("seeded") is True, obj.get("api") == "module")
+                      inputs, outputs, site.line_map, args, obj.get("seeded") is True, obj.get("api") == "module",
+                      str(obj["error"]) if obj.get("error") else None)
     except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise ConfigError(f"{where}: not an opguard capture op record ({type(e).__name__}: {e})",
                           "pass a trace directory written by opguard capture (docs/capture.md)") from None

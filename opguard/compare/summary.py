@@ -57,6 +57,7 @@ class FirstMismatch:
     nearest_unresolved: str | None = None    # the last unresolved operation before it, described
     line_map_b: str | None = None             # how B's line corresponds to A's (docs/compare.md §2)
     function_b: str | None = None             # B's function, when it differs (basis function-differs)
+    raised: str | None = None                 # which run's call raised what, when only one did or they differ
 
     def describe(self) -> str:
         """One line; at most SHOWN arguments, fields and numeric slots (an optimizer step's record
@@ -64,6 +65,8 @@ class FirstMismatch:
         what = _capped(self.args, "; ") if self.args else _capped(self.fields, ", ")
         if self.function_b:
             what = f"{self.function} -> {self.function_b}" + (f"; {what}" if what else "")
+        if self.raised:
+            what += f" ({self.raised})"
         nums = _capped([f"{slot}: " + ", ".join(f"{k}={v:.6g}" for k, v in vals.items())
                         for slot, vals in self.numeric.items()], "; ")
         at = self.where if not self.where_b or self.where_b == self.where else f"{self.where} (B: {self.where_b})"
@@ -81,7 +84,8 @@ class FirstMismatch:
                 "where": self.where, "where_b": self.where_b or self.where, "module": self.module, "step": self.step,
                 "kind": self.kind, "args": self.args, "fields": self.fields, "numeric": self.numeric,
                 "unresolved_before": self.unresolved_before, "nearest_unresolved": self.nearest_unresolved,
-                "line_map_b": self.line_map_b, "function_b": self.function_b}
+                "line_map_b": self.line_map_b, "function_b": self.function_b,
+                "raised": self.raised}
 
 
 SHOWN = 6  # items of a list shown in one summary line

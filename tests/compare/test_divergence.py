@@ -764,3 +764,22 @@ def test_a_difference_inside_a_module_recorded_as_one_call_says_so(tmp_path: Pat
     fd = json.loads((tmp_path / "s.json").read_text())["ranks"][0]["first_divergence"]
     assert fd["function"] == "torch.nn.TransformerEncoder", fd
     assert fd["kind"].startswith("outputs differ, inputs and arguments equal, in a module recorded as one call"), fd
+
+
+def test_a_call_that_raised_in_one_run_names_the_exception(tmp_path: Path) -> None:
+    """A call that raised in B only read 'outputs.error.present': the exception (`Trying to backward
+    through the graph a second time` after a removed `detach()`) was visible only with --show (hand
+    test). The first divergence now says which run raised what."""
+    recs_a = _gpt_like("a", steps=1)
+    recs_b = _gpt_like("a", steps=1)
+    loss = next(r for r in recs_b if r["fn"] == "torch.sum")
+    loss["error"] = "RuntimeError: Trying to backward through the graph a second time"
+    loss["outputs"] = []
+    a, b = _write(tmp_path, "a", recs_a), _write(tmp_path, "b", recs_b)
+    js = tmp_path / "s.json"
+    p = _cli(str(a), str(b), "-o", str(tmp_path / "v.pftrace"), "--json", str(js))
+    assert p.returncode == 0, p.stderr
+    fd = json.loads(js.read_text())["ranks"][0]["first_divergence"]
+    assert fd["function"] == "torch.sum", fd
+    assert fd["raised"] == "B raised RuntimeError: Trying to backward through the graph a second time; A did not"
+    assert "(B raised RuntimeError: Trying to backward through the graph a second time; A did not)" in p.stderr
