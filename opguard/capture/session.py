@@ -754,15 +754,11 @@ class Session:
         counter the base's views share; the mark keeps the rest unwritten, at the new version. (Before,
         such a write at the base's own address ended the whole base's mark, and the never-written
         views of the buffer were digested: PowerSGD.)"""
-        try:
-            base = t._base
-        except RuntimeError:
+        found = self._base_mark(t)
+        if found is None:
             return False
-        if base is None:
-            return False
-        ptr = _address(base)
-        mark = self._uninit.get(ptr) if ptr is not None else None
-        if ptr is None or mark is None or mark[1] is None or mark[0]() is not base:
+        base, ptr, mark = found
+        if mark[1] is None or mark[0]() is not base:
             return False
         if not self._written_part(t, base, ptr):
             return False
@@ -1212,26 +1208,33 @@ class Session:
         except RuntimeError:  # an inference tensor at that address
             return False
 
+    def _base_mark(self, t: torch.Tensor) -> tuple[torch.Tensor, int, tuple[Any, int | None]] | None:
+        """``t``'s base, its address and the mark held there; None when ``t`` is no view or its base
+        is not marked."""
+        try:
+            base = t._base
+        except RuntimeError:
+            return None
+        if base is None:
+            return None
+        ptr = _address(base)
+        mark = self._uninit.get(ptr) if ptr is not None else None
+        if ptr is None or mark is None:
+            return None
+        return base, ptr, mark
+
     def _unwritten_view(self, t: torch.Tensor) -> bool:
         """``t`` is a view (any offset: ``narrow``, ``chunk``, ``view``) of an uninitialised output
         that nothing wrote since: its base is that output, alive, with the version it was marked at
         (views share their base's counter, so a write through any of them moves it)."""
-        try:
-            base = t._base
-        except RuntimeError:
+        found = self._base_mark(t)
+        if found is None:
             return False
-        if base is None:
-            return False
-        ptr = _address(base)
-        hit = self._uninit.get(ptr) if ptr is not None else None
-        if hit is None:
-            return False
-        ref, version = hit
+        base, ptr, (ref, version) = found
         if version is None:  # memory a storage resize grew from nothing (resized())
             return True
         try:
-            return (ref() is base and base._version == version
-                    and not (ptr is not None and self._written_part(t, base, ptr)))
+            return ref() is base and base._version == version and not self._written_part(t, base, ptr)
         except RuntimeError:  # an inference tensor
             return False
 
