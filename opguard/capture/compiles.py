@@ -136,20 +136,12 @@ def skip_own_frames() -> int:
     Dynamo. Dynamo still inlines capture's mode where it traces a program's frame. Returns how many
     code objects were marked.
     """
-    from torch._C._dynamo.eval_frame import (
-        _FrameAction as FrameAction,
-    )
-    from torch._C._dynamo.eval_frame import (
-        _FrameExecStrategy as FrameExecStrategy,
-    )
-    from torch._C._dynamo.eval_frame import (
-        set_code_exec_strategy,
-    )
+    from torch._C._dynamo.eval_frame import _FrameAction, _FrameExecStrategy, set_code_exec_strategy
 
     from opguard.capture import frames
 
-    own = FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP)
-    caller = FrameExecStrategy(FrameAction.SKIP, FrameAction.DEFAULT)
+    own = _FrameExecStrategy(_FrameAction.SKIP, _FrameAction.SKIP)
+    caller = _FrameExecStrategy(_FrameAction.SKIP, _FrameAction.DEFAULT)
 
     def mark_caller(code: types.CodeType) -> None:
         set_code_exec_strategy(code, caller)

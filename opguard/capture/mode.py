@@ -69,13 +69,6 @@ _jit_tracing = torch._C._get_tracing_state  # None in eager code; the tracer's s
 # own shape inference): the calls then compute nothing, on FakeTensors, and are not the program's computation
 _FAKE = getattr(getattr(torch._C, "_TorchDispatchModeKey", None), "FAKE", None)
 _dispatch_mode: Callable[[Any], Any] = getattr(torch._C, "_get_dispatch_mode", lambda _key: None)
-
-
-def faking() -> bool:
-    """A FakeTensorMode is active on this thread (§10)."""
-    return _FAKE is not None and _dispatch_mode(_FAKE) is not None
-
-
 _skip_one_hop = torch._C._skip_one_hop_torch_function  # redispatch_function without its Python frame
 _getframe = sys._getframe
 

@@ -26,13 +26,13 @@ from typing import Any
 import torch
 
 from opguard.capture.dynamo_marks import runs_program
-from opguard.capture.mode import faking
 from opguard.capture.session import Session
 
 _compiling = torch.compiler.is_dynamo_compiling
 
 
 def _on_meta(storage: Any) -> bool:
+    """``storage`` is on the meta device (a FakeTensor's is): no memory of its own."""
     try:
         return bool(storage.device.type == "meta")
     except Exception:
@@ -60,8 +60,8 @@ class ResizeGuard:
         @functools.wraps(orig)
         @runs_program
         def resize_(storage: Any, size: Any) -> Any:
-            if _compiling() or faking() or _on_meta(storage):  # a FakeTensor's storage (on "meta"): no memory
-                return orig(storage, size)  # to read, and PyTorch warns at its data_ptr()
+            if _compiling() or _on_meta(storage):  # a FakeTensor's storage (on "meta"): no memory to read,
+                return orig(storage, size)  # and PyTorch warns at its data_ptr()
             try:
                 before = (storage.data_ptr(), storage.nbytes())
             except Exception:  # a storage without memory of its own to read (meta, fake): nothing cached
