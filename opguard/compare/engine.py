@@ -25,7 +25,7 @@ from typing import IO, Any
 from orjson import loads as orjson_loads
 
 from opguard.compare.diff import MISMATCH, OK, UNALIGNED, Diff, diff_pair
-from opguard.compare.linemap import NO_COUNTERPART, assign_identities
+from opguard.compare.linemap import MOVED, assign_identities, is_new_line
 from opguard.compare.opevents import OpEncoder
 from opguard.compare.pairing import (
     EDITED_LINE_CALLS,
@@ -616,8 +616,10 @@ def _run_rows(job: _Job, r0: int, r1: int, writer: ExportWriter) -> _Chunk:
         if out.first_unresolved is None:
             out.first_unresolved = out.last_unresolved
         # (no-counterpart-in-segment: the other run makes nothing at all between those anchors)
-        if out.first_new_b is None and i < 0 and (site.line_map == NO_COUNTERPART or reason in _NOT_MADE):
+        if out.first_new_b is None and i < 0 and (is_new_line(site.line_map) or reason in _NOT_MADE):
             out.first_new_b = out.last_unresolved  # B's first operation A does not make (a new line, a new call)
+            if (site.line_map or "").startswith(MOVED):   # not a line A lacks: say where it was in A
+                out.first_new_b += f" [B's line: {site.line_map}]"
         if out.first_gone_a is None and i >= 0 and reason in _NOT_MADE:
             out.first_gone_a = out.last_unresolved  # A's first operation B does not make (a removed call)
         if pairs_out is not None:
@@ -720,8 +722,7 @@ def _compare_stream(writer: ExportWriter, sa: Stream, sb: Stream, tracks: tuple[
         site_a, site_b = ([_intern(rel, f"{s.site}\x00{s.context}") for s in idx.sites] for idx in (ia, ib))
         line_a = [_intern(rel, f"{s.site}\x01") for s in ia.sites]  # the identity alone: an edited line
         # operations on lines the source diff says were edited (B: edited in place or new; A: edited)
-        edited_b = [s.line_map is not None and (s.line_map == NO_COUNTERPART or s.line_map.startswith("edited"))
-                    for s in ib.sites]
+        edited_b = [is_new_line(s.line_map) or (s.line_map or "").startswith("edited") for s in ib.sites]
         edited_ids = {s.site for s, e in zip(ib.sites, edited_b, strict=True) if e}
         edited_a = [s.site in edited_ids for s in ia.sites]
         pairing = pair_streams(ia.keys, ib.keys, ia.anchors, ib.anchors,

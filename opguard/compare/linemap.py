@@ -4,7 +4,8 @@ A file of run A corresponds to a file of run B when their paths are equal, or el
 base names are equal and each side has exactly one call-site file of that name. When both runs
 have the source of a corresponding pair, a line diff gives the line correspondence: equal lines
 correspond, the k-th line of a changed hunk of equal length on both sides corresponds to the
-k-th line of the other (an edited line), every other line has no counterpart. A call site's
+k-th line of the other (an edited line), every other line has no counterpart (evidence says
+"moved" when its text is that of exactly one A line without a counterpart). A call site's
 identity in B is then the A line its line corresponds to, so shifts and edits keep identities.
 Without a source on a side, identities are file name and line number, and a note says so.
 """
@@ -22,6 +23,7 @@ from opguard.compare.records import RecordSite
 
 SAME = "same"
 NO_COUNTERPART = "no counterpart"
+MOVED = "moved from A:"           # + A's line: no counterpart, but the same text left A's line there
 
 
 def line_correspondence(a: Sequence[str], b: Sequence[str]) -> tuple[array[int], list[str]]:
@@ -46,7 +48,37 @@ def line_correspondence(a: Sequence[str], b: Sequence[str]) -> tuple[array[int],
                     how[j] = f"edited A:{i + 1}"
                 else:
                     how[j] = SAME if i == j else f"shifted A:{i + 1}"
+    _mark_moved(sa, sb, to_a, how)
     return to_a, how
+
+
+def _mark_moved(sa: Sequence[str], sb: Sequence[str], to_a: array[int], how: list[str]) -> None:
+    """Evidence only: a B line without a counterpart whose text is that of exactly one A line
+    without a counterpart (and of no other such B line) says ``moved from A:<n>``. It keeps no
+    counterpart, so its identity and the pairing are unchanged; the summary then says where the
+    line came from instead of calling it a line A does not have."""
+    matched_a = set(to_a)
+    free_a: dict[str, list[int]] = {}
+    for i, text in enumerate(sa):
+        if i + 1 not in matched_a and _code(text):
+            free_a.setdefault(text, []).append(i)
+    free_b: dict[str, list[int]] = {}
+    for j, text in enumerate(sb):
+        if how[j] == NO_COUNTERPART and _code(text):
+            free_b.setdefault(text, []).append(j)
+    for text, js in free_b.items():
+        ia = free_a.get(text, ())
+        if len(js) == 1 and len(ia) == 1:
+            how[js[0]] = f"{MOVED}{ia[0] + 1}"
+
+
+def _code(text: str) -> bool:
+    return bool(text) and not text.startswith("#")
+
+
+def is_new_line(line_map: str | None) -> bool:
+    """B's line has no counterpart in A (inserted, or moved from elsewhere)."""
+    return line_map is not None and (line_map == NO_COUNTERPART or line_map.startswith(MOVED))
 
 
 @dataclass(frozen=True)
@@ -114,7 +146,8 @@ def assign_identities(sites_a: Sequence[RecordSite], sites_b: Sequence[RecordSit
         if 0 <= j < len(fm.to_a) and fm.to_a[j]:
             out_b.append(_with_identity(s, f"{fm.a_name}:{fm.to_a[j]}", fm.how[j]))
         else:
-            out_b.append(_with_identity(s, f"{os.path.basename(s.file or '?')}:+{s.line}", NO_COUNTERPART))
+            line_map = fm.how[j] if 0 <= j < len(fm.how) else NO_COUNTERPART      # no counterpart, or moved
+            out_b.append(_with_identity(s, f"{os.path.basename(s.file or '?')}:+{s.line}", line_map))
     notes = []
     by_sides: dict[str, list[str]] = {}          # "A", "B" or "A and B" -> file names without a source there
     for name in sorted(set(no_source["A"]) | set(no_source["B"])):

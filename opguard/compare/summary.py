@@ -205,8 +205,8 @@ class Summary:
             elif s.pairs:
                 lines.append("  no divergence: every pair's compared fields agree")
             if s.first_new_b is not None:  # a line only B has: what it computes is not in A at all
-                lines.append("  B's first operation A does not make (on a line A does not have, or a call A's run "
-                             f"does not make there): {s.first_new_b}")
+                lines.append("  B's first operation A does not make (on a line A does not have or has elsewhere, "
+                             f"or a call A's run does not make there): {s.first_new_b}")
             if s.first_gone_a is not None:  # a call removed in B
                 lines.append("  A's first operation B does not make (a call B's run does not make there): "
                              f"{s.first_gone_a}")

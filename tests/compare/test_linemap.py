@@ -24,6 +24,42 @@ def test_equal_lines_shift_edited_hunks_map_in_place_insertions_have_no_counterp
                    "no counterpart", "shifted A:6"]      # w = k(z) -> two lines: unequal hunk, no counterpart
 
 
+def test_a_moved_line_keeps_no_counterpart_but_says_where_it_came_from() -> None:
+    # two swapped lines: difflib keeps one as equal; the other is deleted in A and inserted in B
+    a = ["h = lin(x)", "a = h.sin()", "b = h.cos()", "loss = a * b"]
+    b = ["h = lin(x)", "b = h.cos()", "a = h.sin()", "loss = a * b"]
+    to_a, how = line_correspondence(a, b)
+    moved = [j for j, m in enumerate(how) if m.startswith("moved")]
+    assert len(moved) == 1 and to_a[moved[0]] == 0     # still no counterpart: identity, pairing unchanged
+    j = moved[0]
+    assert how[j] == f"moved from A:{a.index(b[j]) + 1}"
+    # a text that is ambiguous (twice among A's unmatched lines), blank or only a comment is not "moved"
+    a2 = ["x = 1", "y = f(x)", "x = 1", "z = 2", "# c", ""]
+    b2 = ["w = 0", "# c", "", "x = 1", "z = 2", "y = f(x)"]
+    _, how2 = line_correspondence(a2, b2)
+    assert not any(m.startswith("moved") for i, m in enumerate(how2) if b2[i] in ("x = 1", "# c", "")), how2
+
+
+def test_the_summary_names_where_a_moved_line_was_in_a(tmp_path: Path) -> None:
+    """Two swapped lines (B's cos reads another input, so no anchor pairs it): the call on the line
+    difflib calls inserted is not on "a line A does not have" -- the summary says which line of A
+    it was."""
+    a_lines = ["x = torch.randn(4)", "a = torch.sin(x)", "b = torch.cos(x)"]
+    b_lines = ["x = torch.randn(4)", "b = torch.cos(x)", "a = torch.sin(x)"]
+    for run, lines in (("a", a_lines), ("b", b_lines)):
+        recs = [synth.op(0, "torch.randn", 1, lines[0], [], [synth.digest_of("x")], file=F)]
+        for k, text in enumerate(lines[1:], start=1):
+            fn = "torch.sin" if "sin" in text else "torch.cos"
+            x = synth.digest_of("x", "moved" if run == "b" and fn == "torch.cos" else "")
+            recs.append(synth.op(k, fn, k + 1, text, [x], [synth.digest_of(fn)], file=F))
+        _run(tmp_path, run, "\n".join(lines) + "\n", recs)
+    summary = compare(str(tmp_path / "a"), str(tmp_path / "b"), tmp_path / "v.pftrace")
+    s = summary.streams[(0, "capture")]
+    assert s.first_new_b is not None and s.first_new_b.startswith("run B torch.cos at /abs/train.py:2 ")
+    assert s.first_new_b.endswith("[B's line: moved from A:3]"), s.first_new_b
+    assert "on a line A does not have or has elsewhere" in summary.render()
+
+
 def test_identical_files_map_every_line_to_itself_white_space_ignored() -> None:
     to_a, how = line_correspondence(["a", "  b"], ["a", "b  "])
     assert list(to_a) == [1, 2] and how == ["same", "same"]

@@ -82,6 +82,6 @@ def test_extra_call_of_an_existing_call_site_in_one_step(tmp_path: Path) -> None
     assert [(x["b"]["record"], x["b"]["function"], x["reason"]) for x in und] == [
         ("B/rank0/ops/10", "torch.tanh", "not-in-other-segment")]
     assert "undetermined in B: not-in-other-segment 1" in err
-    assert ("B's first operation A does not make (on a line A does not have, or a call A's run does not make there): "
-            "run B torch.tanh at ") in err
+    assert ("B's first operation A does not make (on a line A does not have or has elsewhere, or a call A's run "
+            "does not make there): run B torch.tanh at ") in err
     assert "0 introduced, 2 inherited" in err
