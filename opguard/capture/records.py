@@ -370,6 +370,8 @@ def _canonical(v: Any) -> tuple[str, Any]:
     if v is Ellipsis:
         return "ellipsis", None
     if isinstance(v, (list, tuple)):
+        if any(type(x) is slice or x is Ellipsis for x in v):  # an index tuple: None, ... and : distinct
+            return "index", ", ".join(map(_index_part, v))
         return "list", [_canonical(x)[1] for x in v]
     if isinstance(v, enum.Enum):
         return "enum", f"{t.__name__}.{v.name}"
@@ -387,6 +389,27 @@ def _canonical(v: Any) -> tuple[str, Any]:
     if isinstance(v, torch.Tensor):  # a tensor nested deeper than tensor entries reach
         return "object", "torch.Tensor"
     return "object", f"{t.__module__}.{t.__qualname__}"
+
+
+def _index_part(x: Any) -> str:
+    """One element of an index tuple as Python writes it in ``t[...]``: ``1:5:2``, ``...``, ``None``."""
+    if x is Ellipsis:
+        return "..."
+    if type(x) is slice:
+        text = f"{_bound(x.start)}:{_bound(x.stop)}"
+        return text if x.step is None else f"{text}:{_bound(x.step)}"
+    kind, value = _canonical(x)
+    if kind in ("none", "bool", "str"):
+        return repr(value)
+    return canonical_text(value).replace(",", ", ")
+
+
+def _bound(b: Any) -> str:
+    if b is None:
+        return ""
+    if isinstance(b, torch.Tensor):         # x[:k] with a tensor k: its value is an input entry (§3.3)
+        return "<tensor>"
+    return canonical_text(_canonical(b)[1])
 
 
 def canonical_text(value: Any) -> str:

@@ -53,6 +53,8 @@ class Arg:
             return repr(v) if self.type == "str" else v
         if isinstance(v, bool):
             return "True" if v else "False"
+        if self.type == "index" and isinstance(v, str):  # x[:, 1:5:2]: the index as Python writes it
+            return f"[{v}]"
         if self.type == "slice" and isinstance(v, list) and len(v) == 3:  # x[:80]: slice(None, 80, None)
             return "slice(" + ", ".join("None" if x is None else json.dumps(x) for x in v) + ")"
         return self.value

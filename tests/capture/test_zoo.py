@@ -411,7 +411,12 @@ def test_argument_entries_canonical_forms() -> None:
     assert e("c", Color.RED) == {"slot": "c", "type": "enum", "value": "Color.RED"}
     assert e("i", slice(1, None, 2)) == {"slot": "i", "type": "slice", "value": [1, None, 2]}
     assert e("i", ...) == {"slot": "i", "type": "ellipsis", "value": None}
-    assert e("i", (slice(0, 2), ..., None)) == {"slot": "i", "type": "list", "value": [[0, 2, None], None, None]}
+    # an index tuple with a slice or ...: Python's own index text, so None, ... and : stay distinct
+    assert e("i", (slice(0, 2), ..., None)) == {"slot": "i", "type": "index", "value": "0:2, ..., None"}
+    assert e("i", (..., None, 2)) != e("i", (None, None, 2))
+    assert e("i", (slice(None), slice(1, 5, 2), -1, True))["value"] == ":, 1:5:2, -1, True"
+    assert e("i", (slice(None, None, -1), [0, 2], "a"))["value"] == "::-1, [0, 2], 'a'"
+    assert e("i", (None, 2)) == {"slot": "i", "type": "list", "value": [None, 2]}     # unambiguous: a list
     assert e("o", object()) == {"slot": "o", "type": "object", "value": "builtins.object"}
     long = list(range(40))
     text = json.dumps(long, separators=(",", ":"))
@@ -430,7 +435,7 @@ def test_argument_records_of_real_calls(tmp_path: Path) -> None:
         x.to(torch.float64)
         torch.nn.functional.gelu(x, approximate="none")
     op = {r["fn"]: r for r in ops(read_trace(cap.path))}
-    assert op["Tensor.__getitem__"]["args"] == [{"slot": "arg1", "type": "list", "value": [[1, 3, None], None]}]
+    assert op["Tensor.__getitem__"]["args"] == [{"slot": "arg1", "type": "index", "value": "1:3, ..."}]
     cat = op["torch.cat"]
     assert [i["slot"] for i in cat["inputs"]] == ["arg0.0", "arg0.1"]
     assert cat["args"] == [{"slot": "dim", "type": "int", "value": 1}]

@@ -105,6 +105,15 @@ def test_a_changed_slice_reads_as_a_slice(tmp_path: Path) -> None:
     assert "arguments differ: arg1: slice(None, 80, None) -> slice(None, 48, 2)" in p.stderr
 
 
+def test_a_changed_index_tuple_reads_as_python_writes_it(tmp_path: Path) -> None:
+    """``x[:, 1:5:2]`` against ``x[:, 1:6:2]``: the index as written, not nested JSON lists."""
+    recs_a = _gpt_like("a", gelu_args=[synth.arg("arg1", "index", ":, 1:5:2")])
+    recs_b = _gpt_like("b", gelu_args=[synth.arg("arg1", "index", ":, 1:6:2")])
+    p = run_compare(_write(tmp_path, "a", recs_a), _write(tmp_path, "b", recs_b), tmp_path / "v.pftrace")
+    assert p.returncode == 0, p.stderr
+    assert "arguments differ: arg1: [:, 1:5:2] -> [:, 1:6:2]" in p.stderr
+
+
 def test_identical_rerun_reports_no_divergence(tmp_path: Path) -> None:
     a = _write(tmp_path, "a", _gpt_like("a"))
     b = _write(tmp_path, "b", _gpt_like("b"))         # only the uninitialised garbage differs
