@@ -48,6 +48,7 @@ _Tensor, _Parameter, _STRIDED, _CPU = torch.Tensor, torch.nn.Parameter, torch.st
 _PLAIN = (_Tensor, _Parameter)
 _tf_enabled = torch._C._is_torch_function_enabled  # False inside DisableTorchFunction(Subclass)
 _any_autocast: Callable[[], bool] = getattr(torch._C, "_is_any_autocast_enabled", lambda: False)
+_grad_on: Callable[[], bool] = torch.is_grad_enabled
 _AUTOCAST_DEVICES = ("cpu", "cuda", "xpu")
 _NO_SUBCLASS_TF = torch._C.DisableTorchFunctionSubclass  # tensor subclasses' __torch_function__ off
 _DTYPE_NAMES = {d: str(d).removeprefix("torch.") for d in (
@@ -1292,6 +1293,8 @@ class Session:
             ac = autocast_state()
             if ac is not None:
                 rec["autocast"] = ac
+        if not _grad_on():  # no_grad / inference_mode: an evaluation pass, told apart by compare (§3.1)
+            rec["grad"] = False
         call = Call(rec)
         self.pending.append(call)
         return call

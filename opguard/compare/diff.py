@@ -142,7 +142,8 @@ def diff_pair(a: Record, b: Record) -> Diff:
     if changes:  # a slot given a tensor in one run and a value in the other (bias=None)
         changes = arg_changes(a.args, b.args, {s.name for s in a.inputs}, {s.name for s in b.inputs})
     other_fn = a.function != b.function
-    # the autocast state alone (docs/compare.md §4): a call it does not cast computes the same under both
+    # the autocast state alone (docs/compare.md §4): a call it does not cast computes the same under
+    # both (the grad mode is not: an output made with grad off has no autograd graph, §4)
     context_only = bool(changes) and all(c.startswith(AUTOCAST_CHANGE) for c in changes)
     if not other_fn and (not changes or context_only) and \
             [s.signature() for s in a.inputs] == [s.signature() for s in b.inputs] and \

@@ -83,6 +83,7 @@ class _Index:
     inputs: array[int] = field(default_factory=lambda: array("Q"))   # captured-input key without the function
     nested: bytearray | None = None        # capture: 1 for an operation made inside another recorded one (depth > 0)
     steps: array[int] = field(default_factory=lambda: array("q"))   # capture: each operation's step (none: 0)
+    grad_off: bytearray | None = None      # capture: 1 for an operation recorded with grad mode off ("grad": false)
 
 
 _MASK = (1 << 64) - 1
@@ -117,10 +118,11 @@ def _index_local(stream: Stream) -> tuple[list[str], _Index]:
         inputs = array("Q")
         nested = bytearray()
         steps = array("q")
+        grad_off = bytearray()
         all_digests = _index_capture(stream, intern, keys, line_keys, anchors, coll, files, offsets, site_ids, sites,
-                                     inputs, nested, steps)
+                                     inputs, nested, steps, grad_off)
         return _table(intern), _Index(keys, line_keys, anchors, coll, all_digests, files, offsets, stream.dumps,
-                                      stream.notes, site_ids, sites, inputs, nested, steps)
+                                      stream.notes, site_ids, sites, inputs, nested, steps, grad_off)
     all_digests = True
     ref_ids = array("q")
     ref_sites: list[RecordSite] = []
@@ -161,7 +163,7 @@ _NO_SLOT = object()
 def _index_capture(stream: Stream, intern: dict[str, int], keys: array[int], line_keys: array[int],
                    anchors: array[int], coll: list[int], files: array[int], offsets: array[int],
                    site_ids: array[int], site_list: list[RecordSite], inputs: array[int], nested: bytearray,
-                   steps: array[int]) -> bool:
+                   steps: array[int], grad_off: bytearray) -> bool:
     """Pass 1 over a capture stream (Stream.index_fields, inlined for speed: the same keys and
     anchors, and each operation's call site for pass 2); returns whether every record has a
     source-line digest."""
@@ -231,6 +233,7 @@ def _index_capture(stream: Stream, intern: dict[str, int], keys: array[int], lin
         site_ids.append(sid)
         nested.append(1 if obj.get("depth") else 0)
         steps.append(obj.get("step") or 0)
+        grad_off.append(1 if obj.get("grad") is False else 0)
     return all_digests
 
 
@@ -432,7 +435,7 @@ def _slots_equal(x: _Item, y: _Item, dumps: bool) -> bool:
         a, b = x[3], y[3]
         return not dumps and a.get("inputs") == b.get("inputs") and a.get("outputs") == b.get("outputs") and \
             a.get("error") == b.get("error") and a.get("args") == b.get("args") and \
-            a.get("autocast") == b.get("autocast")
+            a.get("autocast") == b.get("autocast") and a.get("grad") == b.get("grad")
     return isinstance(x, Record) and isinstance(y, Record) and x.inputs == y.inputs and x.outputs == y.outputs
 
 
@@ -731,7 +734,7 @@ def _compare_stream(writer: ExportWriter, sa: Stream, sb: Stream, tracks: tuple[
                                ia.nested, ib.nested, array("q", map(line_a.__getitem__, ia.site_ids)),
                                bytearray(map(edited_a.__getitem__, ia.site_ids)),
                                bytearray(map(edited_b.__getitem__, ib.site_ids)),
-                               ia.steps or None, ib.steps or None)
+                               ia.steps or None, ib.steps or None, ia.grad_off, ib.grad_off)
     summ.ops_a, summ.ops_b = len(ia.keys), len(ib.keys)
     summ.notes.extend([*(f"run A: {n}" for n in sa.notes), *(f"run B: {n}" for n in sb.notes)])
     rows_a, rows_b = pairing.row_arrays()

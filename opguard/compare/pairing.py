@@ -16,7 +16,8 @@ The rules, and nothing else (no similarity scores, no repair passes):
    sites had equal captured inputs, the calls whose function differs with basis
    ``function-differs`` (tried on the top-level operations alone when the functions made
    different nested calls); a segment that pairs once the calls whose key the other side's
-   segment lacks are set aside pairs the rest in order; in a segment nothing else pairs, its common
+   segment lacks are set aside pairs the rest in order (tried again with keys told apart by the
+   grad mode: an added evaluation pass under ``no_grad``); in a segment nothing else pairs, its common
    start and end (equal keys) pair in order. Every other operation stays unresolved with a reason
    from :data:`REASONS`.
 
@@ -264,6 +265,13 @@ def _one_sided(seg_a: range, seg_b: range, keys_a: Sequence[int], keys_b: Sequen
     return True
 
 
+def _grad_split(keys: Sequence[int], grad_off: Sequence[int]) -> list[int]:
+    """docs/compare.md §2 rule 6 with the grad mode: each call-site key told apart by whether grad
+    mode was off (an evaluation pass under ``torch.no_grad()`` runs the training forward's call
+    sites in the same order)."""
+    return [k * 2 + (1 if off else 0) for k, off in zip(keys, grad_off, strict=True)]
+
+
 def _edited_lines(seg_a: range, seg_b: range, keys_a: Sequence[int], keys_b: Sequence[int],
                   changed_a: Sequence[int], changed_b: Sequence[int], result: Pairing) -> bool:
     """docs/compare.md §2 rule 7, calls on an edited line: walk both sides in order; equal keys pair,
@@ -327,7 +335,8 @@ def pair_streams(keys_a: Sequence[int], keys_b: Sequence[int],
                  nested_a: Sequence[int] | None = None, nested_b: Sequence[int] | None = None,
                  lines_a: Sequence[int] | None = None, changed_a: Sequence[int] | None = None,
                  changed_b: Sequence[int] | None = None, steps_a: Sequence[int] | None = None,
-                 steps_b: Sequence[int] | None = None) -> Pairing:
+                 steps_b: Sequence[int] | None = None, grad_off_a: Sequence[int] | None = None,
+                 grad_off_b: Sequence[int] | None = None) -> Pairing:
     """Pair two streams given their call-site keys and anchor keys (``NO_ANCHOR`` = none).
 
     ``sites_*`` (call-site keys without the function) and ``inputs_*`` (captured-input keys without
@@ -338,7 +347,9 @@ def pair_streams(keys_a: Sequence[int], keys_b: Sequence[int],
     identities without the context) let one call on an edited line establish it for every module
     that runs the line; ``changed_*`` (1 for an operation on a line the source diff says was edited)
     let a segment pair around the calls an edited line makes in other numbers (:func:`_edited_lines`);
-    ``steps_*`` (each operation's step, none: all 0) keep anchors within a step (:func:`_occurrences`)."""
+    ``steps_*`` (each operation's step, none: all 0) keep anchors within a step (:func:`_occurrences`);
+    ``grad_off_*`` (1 for an operation recorded with grad mode off) let rule 6 set aside the calls
+    of a pass under ``no_grad`` that the other run's segment does not make (:func:`_grad_split`)."""
     na, nb = len(keys_a), len(keys_b)
     a_to_b = array("q", [-1]) * na
     b_to_a = array("q", [-1]) * nb
@@ -384,6 +395,7 @@ def pair_streams(keys_a: Sequence[int], keys_b: Sequence[int],
     result.anchors = len(kept)
 
     edited: set[int] = set()       # call sites established as calling another function in B
+    split: tuple[list[int], list[int]] | None = None   # keys with the grad mode, made when first needed
     bounds = [(-1, -1), *kept, (na, nb)]
     for (a0, b0), (a1, b1) in itertools.pairwise(bounds):
         if a1 == a0 + 1 and b1 == b0 + 1:
@@ -405,7 +417,11 @@ def pair_streams(keys_a: Sequence[int], keys_b: Sequence[int],
                     seg_a, seg_b, keys_a, keys_b, sites_a, sites_b, inputs_a, inputs_b, nested_a, nested_b, edited,
                     result, lines_a):
                 continue
-        if seg_a and seg_b and _one_sided(seg_a, seg_b, keys_a, keys_b, result):
+        if seg_a and seg_b and grad_off_a is not None and grad_off_b is not None and split is None and (
+                any(grad_off_a[i] for i in seg_a) or any(grad_off_b[j] for j in seg_b)):
+            split = _grad_split(keys_a, grad_off_a), _grad_split(keys_b, grad_off_b)
+        if seg_a and seg_b and (_one_sided(seg_a, seg_b, keys_a, keys_b, result) or (
+                split is not None and _one_sided(seg_a, seg_b, split[0], split[1], result))):
             # an operation whose unique input match was dropped by the order filter is not a call the
             # other run lacks: it has a counterpart elsewhere (two independent calls swapped)
             for i in conflict_a.intersection(seg_a):

@@ -61,6 +61,8 @@ class Arg:
 
 
 AUTOCAST_SLOT = "(autocast)"  # a capture record's "autocast" field among its arguments (docs/compare.md §4)
+GRAD_SLOT = "(grad mode)"     # a capture record's "grad": false among its arguments (absent: on)
+_GRAD_OFF = Arg(GRAD_SLOT, "enum", json.dumps("off"))
 
 
 def slot_label(names: Sequence[str | None], slot: str) -> str | None:
@@ -104,8 +106,9 @@ def arg_changes(a: tuple[Arg, ...] | None, b: tuple[Arg, ...] | None,
         if xa == xb:
             continue
         # a slot that is a tensor on one side is an input there, not an argument: "a tensor", not "absent"
-        sa = ("a tensor" if slot in tensors_a else "absent") if xa is None else xa.show()
-        sb = ("a tensor" if slot in tensors_b else "absent") if xb is None else xb.show()
+        absent = "on" if slot == GRAD_SLOT else "absent"
+        sa = ("a tensor" if slot in tensors_a else absent) if xa is None else xa.show()
+        sb = ("a tensor" if slot in tensors_b else absent) if xb is None else xb.show()
         if xa is not None and xb is not None and xa.type != xb.type:
             sa, sb = f"{sa} ({xa.type})", f"{sb} ({xb.type})"
         label = (xb.label if xb is not None else None) or (xa.label if xa is not None else None)
@@ -372,6 +375,8 @@ def from_capture(obj: Mapping[str, Any], index: int, sites: SiteCache, where: st
         autocast = obj.get("autocast")
         if autocast is not None:  # the autocast state the call ran under, compared as an argument is
             args = (*(args or ()), Arg(AUTOCAST_SLOT, "str", json.dumps(str(autocast))))
+        if obj.get("grad") is False:  # grad mode off (no_grad, inference_mode): compared as an argument is
+            args = (*(args or ()), _GRAD_OFF)
         return Record(obj["rank"], index, site.function, site.site, site.file, site.line, site.scope,
                       site.line_digest, site.context, obj.get("seq"), obj.get("step"), site.collective,
                       inputs, outputs, site.line_map, args, obj.get("seeded") is True, obj.get("api") == "module",

@@ -427,6 +427,21 @@ def test_argument_entries_canonical_forms() -> None:
     assert e("s", s)["digest"] == hashlib.sha256(json.dumps(s).encode()).hexdigest()[:16]
 
 
+def test_records_made_with_grad_mode_off_say_so(tmp_path: Path) -> None:
+    """An evaluation pass under no_grad / inference_mode runs the training forward's call sites:
+    ``"grad": false`` lets compare tell them apart (docs/capture.md §3.1); absent while grad is on."""
+    x = torch.randn(3, 4)
+    with oc.capture(env={"OPGUARD_TRACE_OUTPUT_BASE": str(tmp_path)}) as cap:
+        torch.relu(x)
+        with torch.no_grad():
+            torch.tanh(x)
+        with torch.inference_mode():
+            torch.sigmoid(x)
+        torch.exp(x)
+    grad = {r["fn"]: r.get("grad", "absent") for r in ops(read_trace(cap.path))}
+    assert grad == {"torch.relu": "absent", "torch.tanh": False, "torch.sigmoid": False, "torch.exp": "absent"}
+
+
 def test_argument_records_of_real_calls(tmp_path: Path) -> None:
     x = torch.randn(4, 6)
     with oc.capture(env={"OPGUARD_TRACE_OUTPUT_BASE": str(tmp_path)}) as cap:

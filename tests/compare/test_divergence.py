@@ -792,3 +792,41 @@ def test_a_call_that_raised_in_one_run_names_the_exception(tmp_path: Path) -> No
     assert fd["function"] == "torch.sum", fd
     assert fd["raised"] == "B raised RuntimeError: Trying to backward through the graph a second time; A did not"
     assert "(B raised RuntimeError: Trying to backward through the graph a second time; A did not)" in p.stderr
+
+
+def test_an_added_evaluation_pass_is_not_paired_with_the_training_forward(tmp_path: Path) -> None:
+    """B adds ``model.eval(); with torch.no_grad(): model(x)`` before the training forward: the same
+    call sites in the same order. Without the grad mode, A's training forward paired with B's
+    evaluation pass (first divergence ``training: True -> False``); with it, B's pass is set aside."""
+    def fwd(seq: int, off: bool) -> list[dict[str, Any]]:
+        x, h = synth.digest_of("x"), synth.digest_of("h")
+        d = synth.digest_of("d", "eval" if off else "train")
+        recs = [synth.op(seq, "torch.nn.functional.linear", 14, "h = F.linear(x, w)", [x], [h]),
+                synth.op(seq + 1, "torch.nn.functional.dropout", 15, "h = F.dropout(h, 0.5, self.training)", [h],
+                         [d]),
+                synth.op(seq + 2, "torch.nn.functional.linear", 16, "y = F.linear(h, w2)", [d],
+                         [synth.digest_of("y", d)])]
+        recs[1]["args"] = [synth.arg("training", "bool", not off)]
+        for r in recs:
+            if off:
+                r["grad"] = False
+        return recs
+    p = run_compare(_write(tmp_path, "a", fwd(0, False)), _write(tmp_path, "b", [*fwd(0, True), *fwd(3, False)]),
+                    tmp_path / "v.pftrace")
+    assert p.returncode == 0, p.stderr
+    assert "mismatch 0" in p.stderr and "training: True -> False" not in p.stderr, p.stderr
+    assert "paired 3 (ok 3, mismatch 0" in p.stderr and "undetermined in B: not-in-other-segment 3" in p.stderr
+
+
+def test_a_call_made_with_grad_mode_off_in_b_is_the_first_divergence(tmp_path: Path) -> None:
+    """A forward B wraps in ``torch.no_grad()`` by mistake computes equal values without a graph:
+    its grad mode is compared as an argument and is a mismatch by itself (docs/compare.md §4)."""
+    recs_a = _gpt_like("a")
+    recs_b = _gpt_like("b")
+    for r in recs_b:
+        r["outputs"] = next(x for x in recs_a if x["seq"] == r["seq"])["outputs"]
+    first = next(r for r in recs_b if r["fn"] == "torch.nn.functional.gelu")
+    first["grad"] = False
+    p = run_compare(_write(tmp_path, "a", recs_a), _write(tmp_path, "b", recs_b), tmp_path / "v.pftrace")
+    assert p.returncode == 0, p.stderr
+    assert "arguments differ: (grad mode): on -> off" in p.stderr and "1 introduced" in p.stderr, p.stderr

@@ -200,3 +200,27 @@ def test_unique_anchors_are_the_keys_that_occur_once_in_order_of_position(anchor
                                                                           expected: dict[int, int]) -> None:
     got = _unique(anchors)
     assert got == expected and list(got.values()) == sorted(got.values())
+
+
+def test_an_added_pass_under_no_grad_is_set_aside_and_the_training_calls_pair() -> None:
+    """B adds an evaluation pass (``model.eval(); with torch.no_grad(): model(x)``) before the
+    training forward: the same call sites in the same order, so by call-site keys alone the common
+    start would pair A's training forward with B's evaluation pass (``training: True -> False`` as
+    the first divergence). The grad mode (``grad_off_*``: 1 for a record made with grad mode off)
+    tells them apart: B's calls under no_grad that A's segment never makes are set aside."""
+    keys_a = [1, 2, 3]                # linear, dropout, linear (training forward)
+    keys_b = [1, 2, 3, 9, 1, 2, 3]    # eval forward, its .sum() (a new line), training forward
+    off_b = bytearray([1, 1, 1, 1, 0, 0, 0])
+    p = pair_streams(keys_a, keys_b, [NO_ANCHOR] * 3, [NO_ANCHOR] * 7, grad_off_a=bytearray(3), grad_off_b=off_b)
+    from opguard.compare.pairing import NOT_IN_OTHER_SEGMENT
+    assert list(p.a_to_b) == [4, 5, 6]
+    assert p.reason_b[:4] == [NOT_IN_OTHER_SEGMENT] * 4
+    # the same calls with grad mode off in both runs are not told apart (no split where A has it too)
+    p = pair_streams(keys_a, keys_b, [NO_ANCHOR] * 3, [NO_ANCHOR] * 7, grad_off_a=bytearray([1, 1, 1]),
+                     grad_off_b=bytearray(7))
+    assert list(p.a_to_b) == [0, 1, 2]          # rule 8, as without the grad mode
+    # equal key sequences pair whatever the grad mode (a block wrapped in no_grad in B: its calls pair,
+    # and the grad mode is compared as evidence)
+    p = pair_streams(keys_a, keys_a, [NO_ANCHOR] * 3, [NO_ANCHOR] * 3, grad_off_a=bytearray(3),
+                     grad_off_b=bytearray([0, 1, 0]))
+    assert list(p.a_to_b) == [0, 1, 2]
