@@ -24,6 +24,9 @@ from opguard.errors import ConfigError, OpguardError
 
 SITE_DIR = Path(__file__).resolve().parent / "_site"
 ENABLE = "OPGUARD_CAPTURE"
+# the pid of the process that captures this rank, set by the bootstrap in that process: a Python
+# the program starts itself inherits it and is not a rank of its own (docs/capture.md §1)
+OWNER = "OPGUARD_CAPTURE_OWNER"
 _AGENT_MODULES = ("torch.distributed.run", "torch.distributed.launch", "torch.distributed.elastic.agent",
                   "torch._inductor")  # the launcher agent; torch.compile's compile workers
 
@@ -46,6 +49,7 @@ def child_env(env: Mapping[str, str], options: CaptureOptions | None = None) -> 
     out = dict(env)
     out.update(opts.to_env())
     out[ENABLE] = "1"
+    out.pop(OWNER, None)    # the wrapper's child is a rank's process (an opguard-run inside a captured program too)
     parts = [p for p in out.get("PYTHONPATH", "").split(os.pathsep) if p and p != str(SITE_DIR)]
     # the bootstrap imports opguard from its own location (sitecustomize.py): the directory holding
     # the package is not put on the program's path (a source checkout's tests/ would be importable)
@@ -131,6 +135,11 @@ def install_hook() -> None:
         return
     # validate now: a bad option fails at interpreter start, before the program runs
     CaptureOptions.from_env(os.environ)
+    owner = os.environ.get(OWNER)
+    if owner and owner != str(os.getpid()):
+        return      # started by the captured program (subprocess.run([sys.executable, ...])): not a rank
+    if not is_agent(getattr(sys, "orig_argv", []), sys.argv):
+        os.environ[OWNER] = str(os.getpid())    # set before the program runs: its children see it (an exec keeps it)
     if "torch" in sys.modules:
         start_capture()
     else:

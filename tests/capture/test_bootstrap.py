@@ -127,3 +127,31 @@ def test_the_program_s_sys_path_gains_only_the_bootstrap_directory(tmp_path: Pat
     assert [p for p in path_b if p != str(SITE_DIR)] == path_a
     assert (boot_a, boot_b) == (False, True)
     assert tests_b == tests_a
+
+
+@pytest.mark.parametrize("first", [False, True])
+def test_a_python_subprocess_of_the_program_is_not_a_rank_of_its_own(tmp_path: Path, first: bool) -> None:
+    """A Python the program starts itself (``subprocess.run([sys.executable, ...])``) inherits the
+    bootstrap and resolved to the same rank: it was refused (exit 2, "already holds a capture"),
+    and one started *before* the program imported torch took the rank's directory, so the program
+    itself was refused. Only the process the wrapper (or torchrun) started captures the rank; an
+    ``exec`` of it (same pid) still does."""
+    pytest.importorskip("torch", reason="capture needs torch (pip install torch, CPU build)")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OPGUARD_")}
+    env = child_env({**env, "OPGUARD_TRACE_OUTPUT_BASE": str(tmp_path / "t")})
+    child = ("import subprocess, sys; r = subprocess.run([sys.executable, '-c', "
+             "'import torch; print(torch.arange(4.0).sum().item())']); print('child rc', r.returncode)")
+    code = f"{child}\nimport torch\ntorch.ones(2).sum()\n" if first else f"import torch\ntorch.ones(2).sum()\n{child}\n"
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["6.0", "child", "rc", "0"] and "refusing" not in r.stderr, r
+    trace = (tmp_path / "t" / "ranks" / "rank-000000" / "capture" / "trace.jsonl").read_text()
+    fns = [json.loads(line).get("fn") for line in trace.splitlines()]
+    assert "Tensor.sum" in fns and "torch.arange" not in fns     # the program's calls, not the child's
+    # os.execv keeps the pid: the exec'd program is the rank's process and captures
+    code = ("import os, sys\nif len(sys.argv) < 2: os.execv(sys.executable, [sys.executable, '-c', "
+            "sys.orig_argv[-1], 'again'])\nimport torch\ntorch.zeros(3).sum()\n")
+    r = subprocess.run([sys.executable, "-c", code], env={**env, "OPGUARD_TRACE_OUTPUT_BASE": str(tmp_path / "e")},
+                       capture_output=True, text=True, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "torch.zeros" in (tmp_path / "e" / "ranks" / "rank-000000" / "capture" / "trace.jsonl").read_text()
