@@ -188,6 +188,8 @@ class Digester:
         size = t.element_size()
         ratio = 8 // size
         flat = t.reshape(-1)  # a view when the data is contiguous, else a copy in logical order
+        if not flat.is_contiguous():  # flattened without a copy, elements apart (x[:, 0], a diagonal)
+            flat = flat.contiguous()
         n = flat.numel()
         if ratio == 1:
             return flat if flat.dtype == torch.int64 else flat.view(torch.int64)
@@ -256,6 +258,8 @@ class Digester:
 
     @staticmethod
     def _xor(t: torch.Tensor) -> torch.Tensor:
+        if t.is_conj() or t.is_neg():  # view_as_real refuses a lazily conjugated tensor
+            t = t.resolve_conj().resolve_neg()
         if t.is_complex():
             t = torch.view_as_real(t)
         if t.dtype == torch.bool:

@@ -156,3 +156,22 @@ def test_nan_and_inf_counts_are_exact() -> None:
     assert (s["nan"], s["inf"], s["max"], s["min"]) == (0, 1, math.inf, 1.0)
     s = stats(torch.tensor([1.0, math.nan], dtype=torch.float16))
     assert (s["nan"], s["inf"]) == (1, 0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.int32, torch.bool])
+def test_strided_views_of_narrow_elements_digest_as_their_contiguous_copy(dtype: torch.dtype) -> None:
+    """The torch path (the host kernel ``torch``, the one GPUs use) viewed a flattened view as int64
+    words: a column ``x[:, 0]``, ``x[:, ::2]``, a diagonal (flattened without a copy, last stride
+    not 1) raised "self.stride(-1) must be 1 to view Float as Long", and the entry had no digest."""
+    x = (torch.arange(48, dtype=torch.float32).reshape(6, 8) * 0.37).to(dtype)
+    for v in (x[:, 0], x[:, ::2], x.diagonal(), x[::2, 1::3]):
+        assert digest(v) == digest(v.contiguous())
+    z = torch.randn(4, 4, dtype=torch.cfloat)
+    assert digest(z.real) == digest(z.real.contiguous())
+
+
+def test_xor_digests_a_lazily_conjugated_tensor_as_its_resolved_copy() -> None:
+    z = torch.randn(3, 3, dtype=torch.cfloat, generator=torch.Generator().manual_seed(1))
+    assert z.conj().is_conj()
+    assert digest(z.conj(), "xor") == digest(z.conj().resolve_conj(), "xor")
+    assert digest(z.mH, "xor") == digest(z.mH.resolve_conj(), "xor")
