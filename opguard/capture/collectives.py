@@ -195,10 +195,14 @@ OBJECT_COLLECTIVES = ("all_gather_object", "gather_object", "broadcast_object_li
 
 
 def _object_arg(slot: str, value: Any) -> dict[str, Any]:
-    """An object collective's argument: the objects (and lists of them) by their type only."""
+    """An object collective's argument: the objects (and lists of them) by their type only; ``group``
+    as its global ranks, as for a tensor collective (before: by its type, so an edited group was
+    never named)."""
     if "obj" in slot and value is not None:
         t = type(value)
         return {"slot": slot, "type": "object", "value": f"{t.__module__}.{t.__qualname__}"}
+    if slot == "group" and value is not None:
+        return records.arg_entry(slot, _group_ranks(value))
     return records.arg_entry(slot, value)
 
 

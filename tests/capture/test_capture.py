@@ -1262,13 +1262,14 @@ def test_object_collectives_are_one_record_each_with_their_objects_by_type(tmp_p
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
     try:
         stamp = {"id": uuid.uuid4().hex, "step": 3}
+        sub = dist.new_group([0])
         with oc.capture(env={"OPGUARD_TRACE_OUTPUT_BASE": str(tmp_path / "t")}) as cap:
             gathered: list[Any] = [None]
             dist.all_gather_object(gathered, stamp)
             box: list[Any] = [stamp, torch.ones(2)]
             dist.broadcast_object_list(box, src=0)
             into: list[Any] = [None]
-            dist.gather_object(stamp, into, dst=0)
+            dist.gather_object(stamp, into, dst=0, group=sub)
             torch.ones(2).add(1)
     finally:
         dist.destroy_process_group()
@@ -1282,6 +1283,8 @@ def test_object_collectives_are_one_record_each_with_their_objects_by_type(tmp_p
     assert {"slot": "obj", "type": "object", "value": "builtins.dict"} in ag["args"]
     assert {"slot": "object_list", "type": "object", "value": "builtins.list"} in ag["args"]
     assert {"slot": "group", "type": "none", "value": None} in ag["args"]
+    # a group as its global ranks, as for a tensor collective (it was its type: an edited group unseen)
+    assert {"slot": "group", "type": "list", "value": [0]} in op[3]["args"]
     assert stamp["id"] not in json.dumps(op)  # the objects' content is never recorded
 
 
