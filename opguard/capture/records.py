@@ -20,6 +20,9 @@ from opguard.capture.customops import program_op
 
 SCHEMA = "opguard-capture"
 VERSION = 2
+# the revision of the argument forms (docs/capture.md §2.1, §3.4): raised whenever the canonical form
+# of an argument a program already records changes, so compare can tell two runs' forms apart
+ARG_FORMS = 2
 
 _MODULE_ALIASES = {
     "torch._C._nn": "torch.nn.functional",
@@ -369,10 +372,14 @@ def _canonical(v: Any) -> tuple[str, Any]:
         return "slice", [_canonical(x)[1] for x in (v.start, v.stop, v.step)]
     if v is Ellipsis:
         return "ellipsis", None
+    if t is range:
+        return "range", [v.start, v.stop, v.step]
+    if t.__name__ == "ndarray" and t.__module__ == "numpy":
+        return "ndarray", _ndarray(v)
     if isinstance(v, (list, tuple)):
         if any(type(x) is slice or x is Ellipsis for x in v):  # an index tuple: None, ... and : distinct
             return "index", ", ".join(map(_index_part, v))
-        return "list", [_canonical(x)[1] for x in v]
+        return "list", [_element(x) for x in v]
     if isinstance(v, enum.Enum):
         return "enum", f"{t.__name__}.{v.name}"
     if isinstance(v, bool):
@@ -386,9 +393,50 @@ def _canonical(v: Any) -> tuple[str, Any]:
         return "complex", [json_float(c.real), json_float(c.imag)]
     if isinstance(v, str):
         return "str", str(v)
-    if isinstance(v, torch.Tensor):  # a tensor nested deeper than tensor entries reach
-        return "object", "torch.Tensor"
+    if isinstance(v, torch.Tensor):  # a tensor nested deeper than tensor entries reach (a slice's bound is
+        return "object", "torch.Tensor"  # an input entry of its own, §3.3: never its value here)
     return "object", f"{t.__module__}.{t.__qualname__}"
+
+
+ARRAY_VALUES_MAX = 16  # a NumPy array or a nested CPU tensor of at most this many elements: by its values
+
+
+def _ndarray(v: Any) -> dict[str, Any]:
+    """A NumPy array argument (an index, ``torch.as_tensor``'s data): dtype, shape, and its values
+    when small, else a digest of its bytes; arrays of objects, strings or dates: dtype and shape."""
+    out: dict[str, Any] = {"dtype": str(v.dtype), "shape": list(v.shape)}
+    if v.dtype.kind not in "biufc":
+        return out
+    if v.size <= ARRAY_VALUES_MAX:
+        out["values"] = _canonical(v.tolist())[1]
+    else:
+        out["sha256"] = hashlib.sha256(v.tobytes()).hexdigest()[:16]
+    return out
+
+
+def _element(x: Any) -> Any:
+    """An element of a list argument: a small CPU tensor by its values (:func:`_small_tensor`)."""
+    if isinstance(x, torch.Tensor):
+        small = _small_tensor(x)
+        if small is not None:
+            return small
+    return _canonical(x)[1]
+
+
+def _small_tensor(v: torch.Tensor) -> Any:
+    """A plain CPU tensor of at most ARRAY_VALUES_MAX elements nested in an argument (``betas`` as
+    tensors): its values (a number for a 0-d tensor, else nested lists), read without a device sync
+    or a recorded call; None for anything else (a device tensor, a subclass, one that needs grad or
+    that NumPy cannot hold)."""
+    if (type(v) is not torch.Tensor and type(v) is not torch.nn.Parameter) or v.device.type != "cpu" or \
+            v.requires_grad or v.layout != torch.strided or v.is_quantized or v.numel() > ARRAY_VALUES_MAX:
+        return None
+    try:
+        with torch._C.DisableTorchFunction():
+            values = v.numpy().tolist()
+    except Exception:  # bfloat16, a conjugate view, ...: by type, as before
+        return None
+    return _canonical(values)[1]
 
 
 def _index_part(x: Any) -> str:
@@ -401,6 +449,10 @@ def _index_part(x: Any) -> str:
     kind, value = _canonical(x)
     if kind in ("none", "bool", "str"):
         return repr(value)
+    if kind == "ndarray":
+        what = (canonical_text(value["values"]).replace(",", ", ") if "values" in value else
+                f"shape={value['shape']}, sha256={value.get('sha256')}")
+        return f"array({what}, dtype={value['dtype']})"
     return canonical_text(value).replace(",", ", ")
 
 

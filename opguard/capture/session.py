@@ -24,6 +24,7 @@ from typing import Any
 import orjson
 import torch
 
+from opguard import __version__ as opguard_version
 from opguard.capture import dumps, hostkernel, records
 from opguard.capture.argnames import ArgNames
 from opguard.capture.callsite import Site, SiteTable
@@ -1600,7 +1601,8 @@ class Session:
 
     def _write_meta(self, final: bool) -> None:
         meta = {
-            "schema": records.SCHEMA, "version": records.VERSION, "rank": self.rank,
+            "schema": records.SCHEMA, "version": records.VERSION, "opguard": opguard_version,
+            "arg_forms": records.ARG_FORMS, "rank": self.rank,
             "world_size": self.who.world_size, "local_rank": self.who.local_rank,
             "pid": os.getpid(), "host": socket.gethostname(), "started_at": self.started_at,
             "ended_at": time.time() if final else None, "torch": torch.__version__,

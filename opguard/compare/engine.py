@@ -702,6 +702,12 @@ def _compare_stream(writer: ExportWriter, sa: Stream, sb: Stream, tracks: tuple[
     n_workers = workers()
     big = n_workers > 1 and not opts.serial and forkpool.available() and sa.kind == sb.kind == KIND_CAPTURE and \
         sum(p.stat().st_size for p in (*sa.files, *sb.files)) > PARALLEL_MIN_OPS * 500
+    if sa.kind == sb.kind == KIND_CAPTURE and sa.forms[1] != sb.forms[1]:  # docs/capture.md §2.1 arg_forms
+        summ.notes.append(
+            f"the runs record arguments in other forms (run A: opguard {sa.forms[0] or 'unknown'}, argument forms "
+            f"{sa.forms[1]}; run B: opguard {sb.forms[0] or 'unknown'}, argument forms {sb.forms[1]}): one value can "
+            "read as two (an index tuple x[:, 0], a NumPy array), so an argument difference can be the form alone; "
+            "capture both runs with one opguard to compare their arguments")
     if sa.kind == sb.kind == KIND_CAPTURE:  # wrappers either run collapsed: nested records left out (§3.10)
         sa.aside = sb.aside = sa.collapsed | sb.collapsed
         if sa.collapsed != sb.collapsed:

@@ -89,6 +89,8 @@ class Stream:
     collapsed: frozenset[str] = frozenset()
     # positional parameter names of the recorded functions (meta.json ``arg_names``, docs/capture.md §3.4)
     arg_names: dict[str, tuple[str | None, ...]] = field(default_factory=dict)
+    # (opguard version, argument forms revision) of the capture (meta.json ``opguard``, ``arg_forms``; §2.1)
+    forms: tuple[str | None, int] = (None, 1)
     # functions whose nested function-level records pass 1 leaves out (set by the engine for a stream pair)
     aside: frozenset[str] = frozenset()
     sites: SiteCache = field(init=False)
@@ -356,18 +358,20 @@ def _capture_stream(run: Run, rank_dir: Path, rank: int, dirname: str) -> None:
                           "pass a trace directory written by opguard capture, or restore it with "
                           "opguard materialize (which writes regular files only)")
     meta_notes: list[str] = []
-    collapsed, arg_names = _check_meta(cap / CAPTURE_META_FILE, rank, meta_notes)
+    forms: list[tuple[str | None, int]] = []
+    collapsed, arg_names = _check_meta(cap / CAPTURE_META_FILE, rank, meta_notes, forms)
     segs = _segments([p for p in cap.iterdir() if p.is_file() and not p.is_symlink()]).get(str(trace), [])
     stream = CAPTURE_STREAM if dirname == CAPTURE_DIRNAME else dirname
     run.streams[(rank, stream)] = Stream(KIND_CAPTURE, rank, stream, segs, _capture_sources(rank_dir, dirname),
                                          rank_dir, meta_notes=meta_notes, collapsed=collapsed,
-                                         arg_names=arg_names)
+                                         arg_names=arg_names, forms=forms[0] if forms else (None, 1))
 
 
-def _check_meta(path: Path, rank: int, notes: list[str]
+def _check_meta(path: Path, rank: int, notes: list[str], forms: list[tuple[str | None, int]] | None = None
                 ) -> tuple[frozenset[str], dict[str, tuple[str | None, ...]]]:
-    """Check a capture's meta.json; its notes into ``notes``; returns the functions it collapsed and
-    the positional parameter names of the recorded functions (``arg_names``, docs/capture.md §3.4)."""
+    """Check a capture's meta.json; its notes into ``notes``, its (opguard version, argument forms)
+    into ``forms``; returns the functions it collapsed and the positional parameter names of the
+    recorded functions (``arg_names``, docs/capture.md §3.4)."""
     try:
         meta = read_json_nofollow(path, TABLE_MAX_BYTES)
     except FileNotFoundError:
@@ -381,6 +385,10 @@ def _check_meta(path: Path, rank: int, notes: list[str]
     if version > CAPTURE_VERSION:
         raise IdentityError(f"{path}: capture schema version {version!r}; this opguard reads versions 1 to "
                             f"{CAPTURE_VERSION}", "upgrade opguard to compare this run")
+    if forms is not None:
+        made_by, arg_forms = meta.get("opguard"), meta.get("arg_forms", 1)
+        forms.append((printable(made_by, 40) if isinstance(made_by, str) else None,
+                      arg_forms if isinstance(arg_forms, int) and not isinstance(arg_forms, bool) else 1))
     listed = meta.get("notes")
     for note in listed if isinstance(listed, list) else ():  # schema v2: capture's notes (docs/capture.md §2.1)
         notes.append(f"capture: {printable(note, 1000)}")

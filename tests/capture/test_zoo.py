@@ -418,6 +418,22 @@ def test_argument_entries_canonical_forms() -> None:
     assert e("i", (slice(None, None, -1), [0, 2], "a"))["value"] == "::-1, [0, 2], 'a'"
     assert e("i", (None, 2)) == {"slot": "i", "type": "list", "value": [None, 2]}     # unambiguous: a list
     assert e("o", object()) == {"slot": "o", "type": "object", "value": "builtins.object"}
+    # NumPy arrays, ranges and small CPU tensors nested in a list (an index, tensor betas) by value:
+    # they were their type's name, so an edited one read as "arguments equal" (hand tests)
+    import numpy as np
+    assert e("i", np.array([0, 2])) == {"slot": "i", "type": "ndarray",
+                                        "value": {"dtype": "int64", "shape": [2], "values": [0, 2]}}
+    assert e("i", np.array([0, 2])) != e("i", np.array([0, 3])) != e("i", np.array([0.0, 3.0]))
+    big = np.arange(1000, dtype=np.float32)
+    assert e("i", big)["type"] == "ndarray"          # by a digest of its bytes, not 1000 values
+    big2 = big.copy()
+    big2[999] = 0
+    assert e("i", big) != e("i", big2) and e("i", big) == e("i", big.copy())
+    assert e("i", range(2)) == {"slot": "i", "type": "range", "value": [0, 2, 1]}
+    assert e("i", (slice(None), np.array([0, 2])))["value"] == ":, array([0, 2], dtype=int64)"
+    betas = e("group0.betas", [torch.tensor(0.9), torch.tensor(0.99)])
+    assert betas == {"slot": "group0.betas", "type": "list", "value": [0.8999999761581421, 0.9900000095367432]}
+    assert e("x", [torch.ones(100)])["value"] == ["torch.Tensor"]     # a large one: by type, as before
     long = list(range(40))
     text = json.dumps(long, separators=(",", ":"))
     assert len(text) > 64

@@ -830,3 +830,19 @@ def test_a_call_made_with_grad_mode_off_in_b_is_the_first_divergence(tmp_path: P
     p = run_compare(_write(tmp_path, "a", recs_a), _write(tmp_path, "b", recs_b), tmp_path / "v.pftrace")
     assert p.returncode == 0, p.stderr
     assert "arguments differ: (grad mode): on -> off" in p.stderr and "1 introduced" in p.stderr, p.stderr
+
+
+def test_runs_with_other_argument_forms_say_so(tmp_path: Path) -> None:
+    """Two captures by opguard revisions whose argument forms differ (``x[:, 0]`` was the list
+    ``[[null,null,null],0]`` before the ``index`` form): the difference is the form alone, and
+    the summary says so (hand tests: 816 false mismatches and no word why)."""
+    recs = _gpt_like("a")
+    synth.write_rank(tmp_path / "a", 0, recs, version=2)
+    synth.write_rank(tmp_path / "b", 0, recs, version=2, meta={"opguard": "0.2.0", "arg_forms": 2})
+    p = run_compare(tmp_path / "a", tmp_path / "b", tmp_path / "v.pftrace")
+    assert p.returncode == 0, p.stderr
+    assert ("note: the runs record arguments in other forms (run A: opguard unknown, argument forms 1; run B: "
+            "opguard 0.2.0, argument forms 2)") in p.stderr, p.stderr
+    synth.write_rank(tmp_path / "c", 0, recs, version=2, meta={"opguard": "0.2.1", "arg_forms": 2})
+    p = run_compare(tmp_path / "b", tmp_path / "c", tmp_path / "w.pftrace")
+    assert "other forms" not in p.stderr
