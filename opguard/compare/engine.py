@@ -46,6 +46,7 @@ from opguard.compare.summary import (
     FUNCTION_DIFFERS_KIND,
     INHERITED,
     MODULE_DIFFERS,
+    OTHER_INPUTS,
     OUTPUTS_DIFFER,
     REORDERED,
     UNSEEN_INPUTS,
@@ -764,6 +765,7 @@ def _compare_stream(writer: ExportWriter, sa: Stream, sb: Stream, tracks: tuple[
         chunks = [_run_rows(job, 0, n, writer)]
     unresolved = 0
     last_unresolved: str | None = None
+    _first_reads_other_inputs(chunks, opts)
     for c in chunks:
         summ.status.update(c.status)
         summ.basis.update(c.basis)
@@ -786,6 +788,27 @@ def _compare_stream(writer: ExportWriter, sa: Stream, sb: Stream, tracks: tuple[
         summ.first_new_b = summ.first_new_b or c.first_new_b
         summ.first_gone_a = summ.first_gone_a or c.first_gone_a
     return n
+
+
+def _first_reads_other_inputs(chunks: list[_Chunk], opts: Options) -> None:
+    """docs/compare.md §4: the first mismatch of the stream, its inputs differing, with every earlier
+    operation paired and ok (no filter hid any): no recorded operation passed a difference on, so
+    it is not "inherited" but the first divergence, reading other tensors (an edited variable, or
+    memory written where capture records nothing). Counted as introduced from then on."""
+    if opts.select.per_op:
+        return
+    for c in chunks:
+        fm = c.first_mismatch
+        if fm is None:
+            if c.unresolved:
+                return
+            continue
+        if fm.kind == INHERITED and fm.unresolved_before == 0:
+            fm.kind = OTHER_INPUTS
+            c.first_divergence = fm
+            c.introduced += 1
+            c.inherited -= 1
+        return
 
 
 def _export_only(writer: ExportWriter, side: str, st: Stream, track: int, summ: StreamSummary) -> None:

@@ -33,6 +33,12 @@ COLLECTIVE_DIFFERS = ("outputs differ, inputs and arguments equal, in a collecti
 MODULE_DIFFERS = ("outputs differ, inputs and arguments equal, in a module recorded as one call (the calls inside "
                   "it, its submodules' hooks included, were not recorded: the difference was computed there)")
 INHERITED = "inputs differ (inherited)"
+# inputs differ, but no earlier operation of the stream differs or went unpaired: nothing recorded
+# passed the difference on (docs/compare.md §4)
+OTHER_INPUTS = ("inputs differ, although every earlier operation of this stream agrees: B's call reads other "
+                "tensors than A's (an edited line reading another variable), or tensors written where capture "
+                "records nothing (loaded from a file or made from NumPy, a DataLoader worker, another process "
+                "or rank, DDP's gradient all-reduce)")
 # inputs equal where recorded, but one or more had no recorded content: the outputs can differ from there
 UNSEEN_INPUTS = "outputs differ, inputs equal where recorded; not recorded, so the difference can come from there: "
 REORDERED = "the same inputs in another order"

@@ -846,3 +846,23 @@ def test_runs_with_other_argument_forms_say_so(tmp_path: Path) -> None:
     synth.write_rank(tmp_path / "c", 0, recs, version=2, meta={"opguard": "0.2.1", "arg_forms": 2})
     p = run_compare(tmp_path / "b", tmp_path / "c", tmp_path / "w.pftrace")
     assert "other forms" not in p.stderr
+
+
+def test_inputs_differing_with_nothing_earlier_differing_are_the_first_divergence(tmp_path: Path) -> None:
+    """``torch.sin(q)`` edited to ``torch.sin(k)``: the inputs differ, but every earlier operation
+    agrees, so nothing recorded passed a difference on. That was "no introduced divergence ...
+    every mismatch inherited different inputs", sending the user upstream to nothing."""
+    q, k = synth.digest_of("q"), synth.digest_of("k")
+    def run(x: str) -> list[dict[str, Any]]:
+        return [synth.op(0, "torch.randn", 3, "q = torch.randn(4)", [], [q]),
+                synth.op(1, "torch.randn", 4, "k = torch.randn(4)", [], [k]),
+                synth.op(2, "torch.sin", 5, "y = torch.sin(q)", [x], [synth.digest_of("sin", x)])]
+    a, b = _write(tmp_path, "a", run(q)), _write(tmp_path, "b", run(k))
+    p = run_compare(a, b, tmp_path / "v.pftrace")
+    assert p.returncode == 0, p.stderr
+    assert "first divergence: torch.sin at /work/train.py:5" in p.stderr, p.stderr
+    assert "inputs differ, although every earlier operation of this stream agrees" in p.stderr
+    assert "1 introduced, 0 inherited" in p.stderr
+    # with a filter, earlier operations are not all seen: no such claim
+    p = run_compare(a, b, tmp_path / "w.pftrace", extra=["--function", "torch.sin"])
+    assert "although every earlier" not in p.stderr and "inherited" in p.stderr, p.stderr

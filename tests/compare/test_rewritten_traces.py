@@ -52,7 +52,9 @@ def test_edited_line_pairs_everything_in_place(tmp_path: Path, rank: int) -> Non
         assert x["b"]["line_map"] == ("edited A:13" if x["a"]["line"] == 13 else "same")
     # the half/float round trip happens in untraced code (self.fc1 is not wrapped): relu's input differs
     assert [x["status"] for x in lines if x["rank"] == rank][:6] == ["ok", "ok"] + ["mismatch"] * 4
-    assert "no introduced divergence among the pairs" in err and "torch.relu at " in err
+    # ... and nothing recorded before it differs: relu is the first divergence, reading other inputs
+    assert "first divergence: torch.relu at " in err
+    assert "inputs differ, although every earlier operation of this stream agrees" in err
     assert "B's line: edited A:13" in err
 
 
