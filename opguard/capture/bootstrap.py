@@ -100,7 +100,22 @@ def start_capture() -> None:
 
     cap = api.Capture(CaptureOptions.from_env(os.environ)).start()
     _started.append(cap)
-    atexit.register(cap.stop)
+    atexit.register(_stop_at_exit, cap)
+
+
+def _stop_at_exit(cap: Any) -> None:
+    """Stop capture at interpreter exit; a program that ended with an uncaught exception (the
+    interpreter printed it and set ``sys.last_value``) says so in the rank's meta notes, so compare
+    can say which run stopped where (before, only its missing calls showed it)."""
+    err = getattr(sys, "last_value", None)
+    if isinstance(err, BaseException):
+        try:
+            s = cap.session
+            text = " ".join(f"{type(err).__name__}: {err}".split())[:300]
+            s.note(f"the program ended with an uncaught exception after record seq {s.seq - 1}: {text}")
+        except Exception:  # pragma: no cover - a note must never stop the stop
+            pass
+    cap.stop()
 
 
 class _TorchHook(importlib.abc.MetaPathFinder):

@@ -155,3 +155,21 @@ def test_a_python_subprocess_of_the_program_is_not_a_rank_of_its_own(tmp_path: P
                        capture_output=True, text=True, cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     assert "torch.zeros" in (tmp_path / "e" / "ranks" / "rank-000000" / "capture" / "trace.jsonl").read_text()
+
+
+def test_a_program_that_ends_with_an_uncaught_exception_says_so_in_the_meta(tmp_path: Path) -> None:
+    """Compare named the first call only one run made, never that run B crashed there: the rank's
+    meta notes now say which exception ended the program (compare prints meta notes)."""
+    pytest.importorskip("torch", reason="capture needs torch (pip install torch, CPU build)")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OPGUARD_")}
+    env = child_env({**env, "OPGUARD_TRACE_OUTPUT_BASE": str(tmp_path / "t")})
+    code = "import torch\nx = torch.ones(2).sum()\nraise ValueError('boom  at\\nstep 3')\n"
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, cwd=tmp_path)
+    assert r.returncode == 1 and r.stderr.rstrip().endswith("ValueError: boom  at\nstep 3"), r.stderr
+    meta = json.loads((tmp_path / "t" / "ranks" / "rank-000000" / "capture" / "meta.json").read_text())
+    assert "the program ended with an uncaught exception after record seq 1: ValueError: boom at step 3" in \
+        meta["notes"], meta["notes"]
+    ok = subprocess.run([sys.executable, "-c", "import torch\ntorch.ones(2)\n"], env={
+        **env, "OPGUARD_TRACE_OUTPUT_BASE": str(tmp_path / "u")}, capture_output=True, text=True, check=True)
+    meta = json.loads((tmp_path / "u" / "ranks" / "rank-000000" / "capture" / "meta.json").read_text())
+    assert ok.returncode == 0 and not any("uncaught" in n for n in meta["notes"])
