@@ -31,6 +31,7 @@ from opguard.capture.optim import OptimizerSteps
 from opguard.capture.options import CaptureOptions
 from opguard.capture.recursion import RecursionHeadroom
 from opguard.capture.resize import ResizeGuard
+from opguard.capture.sent import SentTensors
 from opguard.capture.session import Session
 from opguard.capture.swap import SwapGuard
 from opguard.capture.tracers import TracerWindows
@@ -339,6 +340,7 @@ class Capture:
         self.modules = ModulePaths(self.session)
         self.collectives = Collectives(self.session)
         self.swaps = SwapGuard(self.session)
+        self.sent = SentTensors(self.session)
         self.duals = DualLevels(self.session)
         self.recursion = RecursionHeadroom()
         self.waits = AsyncWaits(self.session)
@@ -369,6 +371,7 @@ class Capture:
         self.modules.install()
         self.collectives.install()
         self.swaps.install()
+        self.sent.install()
         self.duals.install()
         self.recursion.install()
         self.waits.install()
@@ -440,6 +443,7 @@ class Capture:
             self.modules.uninstall()
             self.collectives.uninstall()
             self.swaps.uninstall()
+            self.sent.uninstall()
             self.duals.uninstall()
             self.recursion.uninstall()
             self.waits.uninstall()

@@ -419,6 +419,8 @@ class Session:
         # storage start (_region) -> the tensor seen sharing that memory outside torch (numpy, DLPack):
         # its contents are never cached (shared())
         self._shared: dict[int, weakref.ref[torch.Tensor]] = {}
+        # tensors pickled for another process (sent.py), marked shared at the next record's begin
+        self.sent: list[weakref.ref[torch.Tensor]] = []
         self.step_source = "none"  # "marker" once step() was called, "optimizer" once Optimizer.step advanced it
         self.notes: list[str] = []
         self.ops_recorded = 0
@@ -673,6 +675,16 @@ class Session:
                     if s is not None:
                         s.dead = True
             self._at[region] = [key] if key in cache else []
+
+    def _mark_sent(self) -> None:
+        sent = self.sent
+        while sent:
+            t = sent.pop()()
+            if t is not None:
+                try:
+                    self.shared(t)
+                except Exception as err:
+                    self.failed("recording", err)
 
     def shared(self, t: Any) -> None:
         """``t`` now shares its memory with something outside torch (a numpy array, a DLPack consumer),
@@ -1281,6 +1293,8 @@ class Session:
     def begin(self, api: str, fn: str, site: Site, *, phase: str = "forward",
               where: tuple[str | None, str | None] | None = None) -> Call:
         """A new record; ``where`` is (module, context) when the caller has them already."""
+        if self.sent:  # pickled for another process since the last record: shared memory now
+            self._mark_sent()
         seq = self.seq
         self.seq += 1
         parents = self.parents

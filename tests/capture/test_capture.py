@@ -1705,6 +1705,28 @@ def test_shared_memory_is_read_at_every_use(out_env: dict[str, str]) -> None:
     assert negs == [oc_digest(torch.zeros(4)), oc_digest(ones_bytes)]
 
 
+def test_a_tensor_pickled_for_another_process_is_read_at_every_use(out_env: dict[str, str]) -> None:
+    """Sending a tensor to another process (``Queue.put``, a spawned ``Process``'s arguments) pickles
+    it, which moves its storage into shared memory without ``share_memory_()``; the other process's
+    writes were then never seen and the second ``t * 3`` was recorded with the first one's input
+    digest (hand test: compare blamed "outputs differ, inputs equal"). The pickling is done here
+    with multiprocessing's own pickler, the other process's write through the storage."""
+    from multiprocessing.reduction import ForkingPickler
+
+    t = torch.zeros(4)
+    with oc.capture(env=out_env) as cap:
+        t.mul(3)
+        ForkingPickler.dumps(t)        # what Queue.put / Process(args=...) do: t is in shared memory now
+        t.mul(3)
+        t.untyped_storage().fill_(1)   # another process's write: no torch function, no version change
+        t.mul(3)
+    muls = [r["inputs"][0]["digest"] for r in ops(read_trace(cap.path)) if r["fn"] == "Tensor.mul"]
+    ones_bytes = torch.frombuffer(bytearray(b"\x01" * 16), dtype=torch.float32)
+    assert muls == [oc_digest(torch.zeros(4))] * 2 + [oc_digest(ones_bytes)]
+    from multiprocessing.reduction import ForkingPickler as Fp
+    assert all(getattr(f, "__module__", "") != "opguard.capture.sent" for f in Fp._extra_reducers.values())
+
+
 def _mm_at(a: torch.Tensor, b: torch.Tensor, at: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """``torch.mm(a, b)`` until an output lands at address ``at`` (the allocator reuses a freed
     block), and the outputs before it (kept alive, so that their addresses are not given again)."""
