@@ -265,6 +265,38 @@ def _one_sided(seg_a: range, seg_b: range, keys_a: Sequence[int], keys_b: Sequen
     return True
 
 
+def _runs(seg: range, steps: Sequence[int]) -> list[tuple[int, range]] | None:
+    """The steps of a segment as (step, positions) runs, in order; None when a step comes back
+    after another (steps set by hand, out of order: no split)."""
+    runs: list[tuple[int, range]] = []
+    start = seg.start
+    for i in range(seg.start + 1, seg.stop + 1):
+        if i == seg.stop or steps[i] != steps[start]:
+            runs.append((steps[start], range(start, i)))
+            start = i
+    values = [s for s, _ in runs]
+    return runs if all(map(operator.lt, values, values[1:])) else None
+
+
+def _by_step(seg_a: range, seg_b: range, steps_a: Sequence[int] | None, steps_b: Sequence[int] | None
+             ) -> list[tuple[range, range]]:
+    """docs/compare.md §2: a segment that spans steps is paired step by step — the k-th step's calls
+    of A only with the k-th step's calls of B (a changed seed or batch changes how often a
+    data-dependent loop runs in each step: rule 8's common ends then paired step 1's tail with step
+    5's, leaving every step between unresolved); a step only one side's segment has is a segment
+    of its own with no counterpart. Unsplit when either side's steps are not in increasing runs."""
+    if steps_a is None or steps_b is None or not seg_a or not seg_b:
+        return [(seg_a, seg_b)]
+    runs_a, runs_b = _runs(seg_a, steps_a), _runs(seg_b, steps_b)
+    if runs_a is None or runs_b is None or (len(runs_a) == 1 and len(runs_b) == 1):
+        return [(seg_a, seg_b)]
+    by_a, by_b = dict(runs_a), dict(runs_b)
+    out = []
+    for step in sorted(by_a.keys() | by_b.keys()):
+        out.append((by_a.get(step, range(seg_a.stop, seg_a.stop)), by_b.get(step, range(seg_b.stop, seg_b.stop))))
+    return out
+
+
 def _grad_split(keys: Sequence[int], grad_off: Sequence[int]) -> list[int]:
     """docs/compare.md §2 rule 6 with the grad mode: each call-site key told apart by whether grad
     mode was off (an evaluation pass under ``torch.no_grad()`` runs the training forward's call
@@ -395,7 +427,50 @@ def pair_streams(keys_a: Sequence[int], keys_b: Sequence[int],
     result.anchors = len(kept)
 
     edited: set[int] = set()       # call sites established as calling another function in B
-    split: tuple[list[int], list[int]] | None = None   # keys with the grad mode, made when first needed
+    split: list[tuple[list[int], list[int]]] = []   # keys with the grad mode, made when first needed
+
+    def segment(seg_a: range, seg_b: range) -> None:
+        """Rules 4-8 on one segment (between two anchors, within one step)."""
+        if len(seg_a) == len(seg_b) and all(keys_a[i] == keys_b[j] for i, j in zip(seg_a, seg_b, strict=True)):
+            _in_order(result, seg_a, seg_b)
+            return
+        if sites_a is not None and sites_b is not None and inputs_a is not None and inputs_b is not None:
+            differ = _other_function(seg_a, seg_b, keys_a, keys_b, sites_a, sites_b, inputs_a, inputs_b, edited,
+                                     lines_a)
+            if differ is not None:
+                _in_order(result, seg_a, seg_b)
+                for k in differ:
+                    basis_a[seg_a[k]] = FUNCTION_DIFFERS
+                return
+            if nested_a is not None and nested_b is not None and _top_level(
+                    seg_a, seg_b, keys_a, keys_b, sites_a, sites_b, inputs_a, inputs_b, nested_a, nested_b, edited,
+                    result, lines_a):
+                return
+        if seg_a and seg_b and grad_off_a is not None and grad_off_b is not None and not split and (
+                any(grad_off_a[i] for i in seg_a) or any(grad_off_b[j] for j in seg_b)):
+            split.append((_grad_split(keys_a, grad_off_a), _grad_split(keys_b, grad_off_b)))
+        if seg_a and seg_b and (_one_sided(seg_a, seg_b, keys_a, keys_b, result) or (
+                split and _one_sided(seg_a, seg_b, split[0][0], split[0][1], result))):
+            # an operation whose unique input match was dropped by the order filter is not a call the
+            # other run lacks: it has a counterpart elsewhere (two independent calls swapped)
+            for i in conflict_a.intersection(seg_a):
+                if a_to_b[i] < 0:
+                    reason_a[i] = ANCHOR_ORDER_CONFLICT
+            for j in conflict_b.intersection(seg_b):
+                if b_to_a[j] < 0:
+                    reason_b[j] = ANCHOR_ORDER_CONFLICT
+            return
+        if seg_a and seg_b and changed_a is not None and changed_b is not None and _edited_lines(
+                seg_a, seg_b, keys_a, keys_b, changed_a, changed_b, result):
+            return
+        why = NO_COUNTERPART_IN_SEGMENT if (not seg_a or not seg_b) else SEGMENT_DIFFERS
+        if seg_a and seg_b:
+            seg_a, seg_b = _common_ends(seg_a, seg_b, keys_a, keys_b, result)
+        for i in seg_a:
+            reason_a[i] = ANCHOR_ORDER_CONFLICT if i in conflict_a else why
+        for j in seg_b:
+            reason_b[j] = ANCHOR_ORDER_CONFLICT if j in conflict_b else why
+
     bounds = [(-1, -1), *kept, (na, nb)]
     for (a0, b0), (a1, b1) in itertools.pairwise(bounds):
         if a1 == a0 + 1 and b1 == b0 + 1:
@@ -405,40 +480,6 @@ def pair_streams(keys_a: Sequence[int], keys_b: Sequence[int],
         if len(seg_a) == len(seg_b) and all(keys_a[i] == keys_b[j] for i, j in zip(seg_a, seg_b, strict=True)):
             _in_order(result, seg_a, seg_b)
             continue
-        if sites_a is not None and sites_b is not None and inputs_a is not None and inputs_b is not None:
-            differ = _other_function(seg_a, seg_b, keys_a, keys_b, sites_a, sites_b, inputs_a, inputs_b, edited,
-                                     lines_a)
-            if differ is not None:
-                _in_order(result, seg_a, seg_b)
-                for k in differ:
-                    basis_a[seg_a[k]] = FUNCTION_DIFFERS
-                continue
-            if nested_a is not None and nested_b is not None and _top_level(
-                    seg_a, seg_b, keys_a, keys_b, sites_a, sites_b, inputs_a, inputs_b, nested_a, nested_b, edited,
-                    result, lines_a):
-                continue
-        if seg_a and seg_b and grad_off_a is not None and grad_off_b is not None and split is None and (
-                any(grad_off_a[i] for i in seg_a) or any(grad_off_b[j] for j in seg_b)):
-            split = _grad_split(keys_a, grad_off_a), _grad_split(keys_b, grad_off_b)
-        if seg_a and seg_b and (_one_sided(seg_a, seg_b, keys_a, keys_b, result) or (
-                split is not None and _one_sided(seg_a, seg_b, split[0], split[1], result))):
-            # an operation whose unique input match was dropped by the order filter is not a call the
-            # other run lacks: it has a counterpart elsewhere (two independent calls swapped)
-            for i in conflict_a.intersection(seg_a):
-                if a_to_b[i] < 0:
-                    reason_a[i] = ANCHOR_ORDER_CONFLICT
-            for j in conflict_b.intersection(seg_b):
-                if b_to_a[j] < 0:
-                    reason_b[j] = ANCHOR_ORDER_CONFLICT
-            continue
-        if seg_a and seg_b and changed_a is not None and changed_b is not None and _edited_lines(
-                seg_a, seg_b, keys_a, keys_b, changed_a, changed_b, result):
-            continue
-        why = NO_COUNTERPART_IN_SEGMENT if (not seg_a or not seg_b) else SEGMENT_DIFFERS
-        if seg_a and seg_b:
-            seg_a, seg_b = _common_ends(seg_a, seg_b, keys_a, keys_b, result)
-        for i in seg_a:
-            reason_a[i] = ANCHOR_ORDER_CONFLICT if i in conflict_a else why
-        for j in seg_b:
-            reason_b[j] = ANCHOR_ORDER_CONFLICT if j in conflict_b else why
+        for piece_a, piece_b in _by_step(seg_a, seg_b, steps_a, steps_b):
+            segment(piece_a, piece_b)
     return result

@@ -69,8 +69,10 @@ class FirstMismatch:
         """One line; at most SHOWN arguments, fields and numeric slots (an optimizer step's record
         can differ in every parameter: the rest are counted, all are in ``--json`` and the view)."""
         what = _capped(self.args, "; ") if self.args else _capped(self.fields, ", ")
-        if self.function_b:
-            what = f"{self.function} -> {self.function_b}" + (f"; {what}" if what else "")
+        if self.function_b:  # the "function" field is said by the arrow; no other field: outputs equal
+            rest = self.args or [f for f in self.fields if f != "function"]
+            what = f"{self.function} -> {self.function_b}; " + (
+                _capped(rest, "; " if self.args else ", ") if rest else "inputs and outputs equal")
         if self.raised:
             what += f" ({self.raised})"
         nums = _capped([f"{slot}: " + ", ".join(f"{k}={v:.6g}" for k, v in vals.items())

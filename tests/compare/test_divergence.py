@@ -217,7 +217,7 @@ def test_a_function_that_differs_on_the_same_line_is_the_divergence(tmp_path: Pa
                                                          "--pairs", str(tmp_path / "p.jsonl")])
     assert p.returncode == 0, p.stderr
     assert "unaligned 0" in p.stderr and ": function differs: torch.nn.functional.gelu -> " \
-        "torch.nn.functional.silu; function, outputs.out.digest" in p.stderr, p.stderr
+        "torch.nn.functional.silu; outputs.out.digest" in p.stderr, p.stderr
     fd = json.loads((tmp_path / "s.json").read_text())["ranks"][0]["first_divergence"]
     assert (fd["record_a"], fd["kind"], fd["function"], fd["function_b"]) == \
         ("A/rank0/capture/2", "function differs", "torch.nn.functional.gelu", "torch.nn.functional.silu")
@@ -866,3 +866,19 @@ def test_inputs_differing_with_nothing_earlier_differing_are_the_first_divergenc
     # with a filter, earlier operations are not all seen: no such claim
     p = run_compare(a, b, tmp_path / "w.pftrace", extra=["--function", "torch.sin"])
     assert "although every earlier" not in p.stderr and "inherited" in p.stderr, p.stderr
+
+
+def test_a_function_that_differs_with_equal_outputs_says_so(tmp_path: Path) -> None:
+    """``x = x + y`` edited to ``x += y``: Tensor.add -> Tensor.add_ with equal inputs and outputs.
+    The line read "function differs: Tensor.add -> Tensor.add_; function" (a stray field name) and
+    never said that the values agree."""
+    a_recs = _gpt_like("a", empty_digest=D("same"))
+    b_recs = _gpt_like("b", empty_digest=D("same"))
+    for r in b_recs:
+        r["outputs"] = next(x for x in a_recs if x["seq"] == r["seq"])["outputs"]
+        if r["fn"] == "torch.nn.functional.gelu":
+            r["fn"] = "torch.nn.functional.silu"
+    p = run_compare(_write(tmp_path, "a", a_recs), _write(tmp_path, "b", b_recs), tmp_path / "v.pftrace")
+    assert p.returncode == 0, p.stderr
+    assert ": function differs: torch.nn.functional.gelu -> torch.nn.functional.silu; inputs and outputs " \
+        "equal" in p.stderr, p.stderr

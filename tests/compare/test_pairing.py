@@ -224,3 +224,23 @@ def test_an_added_pass_under_no_grad_is_set_aside_and_the_training_calls_pair() 
     p = pair_streams(keys_a, keys_a, [NO_ANCHOR] * 3, [NO_ANCHOR] * 3, grad_off_a=bytearray(3),
                      grad_off_b=bytearray([0, 1, 0]))
     assert list(p.a_to_b) == [0, 1, 2]
+
+
+def test_a_segment_that_spans_steps_pairs_step_by_step() -> None:
+    """A changed seed makes a data-dependent loop (NMS, greedy matching) run another number of times
+    in each step: over the whole segment rule 8 paired only its two ends and left every step between
+    unresolved. Split at the steps, each step pairs its own common ends."""
+    keys_a = [1, 5, 5, 3, 1, 5, 3]          # step 0: the loop body 5 twice; step 1: once
+    keys_b = [1, 5, 3, 1, 5, 5, 3]          # step 0: once; step 1: twice
+    steps_a, steps_b = [0, 0, 0, 0, 1, 1, 1], [0, 0, 0, 1, 1, 1, 1]
+    p = pair_streams(keys_a, keys_b, [NO_ANCHOR] * 7, [NO_ANCHOR] * 7, steps_a=steps_a, steps_b=steps_b)
+    assert list(p.a_to_b) == [0, 1, -1, 2, 3, 4, 6]
+    assert p.reason_a[2] == SEGMENT_DIFFERS and p.reason_b[5] == SEGMENT_DIFFERS
+    # a step only one run has stays unresolved, the steps around it pair
+    p = pair_streams([1, 2, 1, 2, 1, 2], [1, 2, 1, 2], [NO_ANCHOR] * 6, [NO_ANCHOR] * 4,
+                     steps_a=[0, 0, 1, 1, 2, 2], steps_b=[0, 0, 2, 2])
+    assert list(p.a_to_b) == [0, 1, -1, -1, 2, 3] and p.reason_a[2:4] == [NO_COUNTERPART_IN_SEGMENT] * 2
+    # steps that come back (set by hand, out of order): not split, as before
+    p = pair_streams(keys_a, keys_b, [NO_ANCHOR] * 7, [NO_ANCHOR] * 7, steps_a=[0, 0, 1, 1, 0, 0, 0],
+                     steps_b=steps_b)
+    assert list(p.a_to_b) == [0, 1, -1, -1, -1, 5, 6]
