@@ -270,6 +270,8 @@ def _compute_name(func: Any) -> tuple[str, int]:
         bare = qual[len(public) - 5:]
         if getattr(sys.modules.get(public), bare, None) is not None:
             qual = bare
+    if module.startswith("torch._C._") and public != module and getattr(sys.modules.get(public), qual, None) is None:
+        public = module  # a builtin its public module does not publish (torch._C._nn._parse_to): its own name
     return f"{public}.{qual}", _kind(fname)
 
 

@@ -584,6 +584,22 @@ def test_public_names_of_fft_linalg_and_special_functions(out_env: dict[str, str
         "torch.fft.rfft", "torch.fft.irfft", "torch.linalg.vector_norm", "torch.special.erf"]
 
 
+def test_builtins_without_a_public_name_keep_their_own_module(out_env: dict[str, str]) -> None:
+    """``torch._C._nn`` builtins that ``torch.nn.functional`` does not publish (``Module.to``'s
+    ``_parse_to``, ``F.hardswish(inplace=True)``'s ``hardswish_``) were named
+    ``torch.nn.functional._parse_to``, a function that does not exist (hand test); published ones
+    (``F.gelu`` is ``torch._C._nn.gelu``) keep the public name."""
+    x = torch.randn(4)
+    with oc.capture(env=out_env) as cap:
+        torch.nn.Linear(2, 2).to(torch.float64)
+        torch.nn.functional.hardswish(x.clone(), inplace=True)
+        torch.nn.functional.gelu(x)
+    fns = {r["fn"] for r in ops(read_trace(cap.path))}
+    assert {"torch._C._nn._parse_to", "torch._C._nn.hardswish_", "torch.nn.functional.gelu"} <= fns, fns
+    assert not any(f.startswith("torch.nn.functional.") and not hasattr(torch.nn.functional, f.rpartition(".")[2])
+                   for f in fns), fns
+
+
 def test_functions_made_by_boolean_dispatch_have_their_public_names(out_env: dict[str, str]) -> None:
     """``F.max_pool2d`` (``nn.MaxPool2d``'s call) is made by ``boolean_dispatch``: its qualified name is
     ``boolean_dispatch.<locals>.fn``, and its records were named
@@ -1711,15 +1727,19 @@ def test_a_tensor_pickled_for_another_process_is_read_at_every_use(out_env: dict
     writes were then never seen and the second ``t * 3`` was recorded with the first one's input
     digest (hand test: compare blamed "outputs differ, inputs equal"). The pickling is done here
     with multiprocessing's own pickler, the other process's write through the storage."""
+    from multiprocessing import resource_sharer
     from multiprocessing.reduction import ForkingPickler
 
     t = torch.zeros(4)
-    with oc.capture(env=out_env) as cap:
-        t.mul(3)
-        ForkingPickler.dumps(t)        # what Queue.put / Process(args=...) do: t is in shared memory now
-        t.mul(3)
-        t.untyped_storage().fill_(1)   # another process's write: no torch function, no version change
-        t.mul(3)
+    try:
+        with oc.capture(env=out_env) as cap:
+            t.mul(3)
+            ForkingPickler.dumps(t)        # what Queue.put / Process(args=...) do: t is in shared memory now
+            t.mul(3)
+            t.untyped_storage().fill_(1)   # another process's write: no torch function, no version change
+            t.mul(3)
+    finally:  # pickling a descriptor outside a spawning Popen started multiprocessing's sharer thread:
+        resource_sharer._resource_sharer.stop(timeout=10)  # type: ignore[attr-defined]  (forks need one thread)
     muls = [r["inputs"][0]["digest"] for r in ops(read_trace(cap.path)) if r["fn"] == "Tensor.mul"]
     ones_bytes = torch.frombuffer(bytearray(b"\x01" * 16), dtype=torch.float32)
     assert muls == [oc_digest(torch.zeros(4))] * 2 + [oc_digest(ones_bytes)]
