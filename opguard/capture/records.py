@@ -22,7 +22,7 @@ SCHEMA = "opguard-capture"
 VERSION = 2
 # the revision of the argument forms (docs/capture.md §2.1, §3.4): raised whenever the canonical form
 # of an argument a program already records changes, so compare can tell two runs' forms apart
-ARG_FORMS = 2
+ARG_FORMS = 3
 
 _MODULE_ALIASES = {
     "torch._C._nn": "torch.nn.functional",
@@ -397,6 +397,12 @@ def _canonical(v: Any) -> tuple[str, Any]:
         return "str", str(v)
     if isinstance(v, torch.Tensor):  # a tensor nested deeper than tensor entries reach (a slice's bound is
         return "object", "torch.Tensor"  # an input entry of its own, §3.3: never its value here)
+    if isinstance(v, (types.FunctionType, types.BuiltinFunctionType, types.MethodType, type)):
+        # a callable or class argument (distance_function=, a loss class): which one, by its qualified
+        # name (never an address); it was its type, "builtins.function", whichever function it was
+        if isinstance(v, types.BuiltinFunctionType):  # torch.relu: the name capture records it under
+            return "function", function_name(v)[0]
+        return "function", f"{getattr(v, '__module__', None) or '?'}.{getattr(v, '__qualname__', '?')}"
     return "object", f"{t.__module__}.{t.__qualname__}"
 
 
@@ -477,6 +483,8 @@ def arg_entry(slot: str, v: Any) -> dict[str, Any]:
     kind, value = _canonical(v)
     if kind in ("none", "bool", "float", "dtype", "device", "layout", "memory_format", "ellipsis"):
         return {"slot": slot, "type": kind, "value": value}
+    if kind == "function":  # a qualified name reads better than its digest: kept up to 200 characters
+        return {"slot": slot, "type": kind, "value": value[:200]}
     text = canonical_text(value)
     if len(text) > ARG_VALUE_MAX:
         return {"slot": slot, "type": kind, "digest": hashlib.sha256(text.encode()).hexdigest()[:16], "len": len(text)}

@@ -48,8 +48,10 @@ class Arg:
             return self.value
         if self.type == "none":
             return "None"
+        if self.type == "float" and v in ("nan", "inf", "-inf"):  # the stored form of a non-finite float
+            return str(v)
         if isinstance(v, str) and self.type in ("str", "dtype", "device", "layout", "memory_format", "enum",
-                                                "object"):
+                                                "object", "function"):
             return repr(v) if self.type == "str" else v
         if isinstance(v, bool):
             return "True" if v else "False"

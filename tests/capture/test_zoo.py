@@ -434,6 +434,13 @@ def test_argument_entries_canonical_forms() -> None:
     betas = e("group0.betas", [torch.tensor(0.9), torch.tensor(0.99)])
     assert betas == {"slot": "group0.betas", "type": "list", "value": [0.8999999761581421, 0.9900000095367432]}
     assert e("x", [torch.ones(100)])["value"] == ["torch.Tensor"]     # a large one: by type, as before
+    # a function argument by its qualified name (distance_function=): it was "builtins.function" for any
+    def cos_dist(a: Any, b: Any) -> Any:
+        return a
+    assert e("f", cos_dist) == {"slot": "f", "type": "function",
+                                "value": f"{__name__}.test_argument_entries_canonical_forms.<locals>.cos_dist"}
+    assert e("f", torch.relu)["value"] == "torch.relu" and e("c", torch.nn.Linear)["value"] == \
+        "torch.nn.modules.linear.Linear"
     long = list(range(40))
     text = json.dumps(long, separators=(",", ":"))
     assert len(text) > 64

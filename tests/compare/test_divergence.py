@@ -882,3 +882,16 @@ def test_a_function_that_differs_with_equal_outputs_says_so(tmp_path: Path) -> N
     assert p.returncode == 0, p.stderr
     assert ": function differs: torch.nn.functional.gelu -> torch.nn.functional.silu; inputs and outputs " \
         "equal" in p.stderr, p.stderr
+
+
+def test_values_read_as_python_writes_them() -> None:
+    """A non-finite float is stored as the string "inf" (docs/capture.md §3.4) and was shown quoted,
+    as if it were a string: ``self (arg1): "inf" -> 1000000000.0``; a function argument by name."""
+    from opguard.compare.records import Arg
+
+    assert Arg("x", "float", '"inf"').show() == "inf" and Arg("x", "float", '"-inf"').show() == "-inf"
+    assert Arg("x", "str", '"inf"').show() == "'inf'"
+    assert Arg("f", "function", '"__main__.cos_dist"').show() == "__main__.cos_dist"
+    assert Arg("i", "range", "[0,4,1]").show() == "range(0, 4, 1)"
+    assert Arg("i", "ndarray", '{"dtype":"int64","shape":[2],"values":[0,2]}').show() == \
+        "array([0, 2], dtype=int64)"
