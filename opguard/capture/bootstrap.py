@@ -13,20 +13,23 @@ import importlib.abc
 import importlib.machinery
 import importlib.util
 import os
+import secrets
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+from opguard.capture.claim import RUN_ENV, HeldByThisRun
 from opguard.capture.options import CaptureOptions
 from opguard.errors import ConfigError, OpguardError
 
 SITE_DIR = Path(__file__).resolve().parent / "_site"
 ENABLE = "OPGUARD_CAPTURE"
-# the pid of the process that captures this rank, set by the bootstrap in that process: a Python
-# the program starts itself inherits it and is not a rank of its own (docs/capture.md §1)
+# the pid of the process that captures this rank, set by the bootstrap in that process once capture
+# started: a Python the program starts after that inherits it and is not a rank of its own (§1)
 OWNER = "OPGUARD_CAPTURE_OWNER"
+RUN = RUN_ENV  # one token per wrapper child: the captures of this same command (claim.py)
 _AGENT_MODULES = ("torch.distributed.run", "torch.distributed.launch", "torch.distributed.elastic.agent",
                   "torch._inductor")  # the launcher agent; torch.compile's compile workers
 
@@ -50,6 +53,7 @@ def child_env(env: Mapping[str, str], options: CaptureOptions | None = None) -> 
     out.update(opts.to_env())
     out[ENABLE] = "1"
     out.pop(OWNER, None)    # the wrapper's child is a rank's process (an opguard-run inside a captured program too)
+    out[RUN] = secrets.token_hex(8)
     parts = [p for p in out.get("PYTHONPATH", "").split(os.pathsep) if p and p != str(SITE_DIR)]
     # the bootstrap imports opguard from its own location (sitecustomize.py): the directory holding
     # the package is not put on the program's path (a source checkout's tests/ would be importable)
@@ -98,9 +102,38 @@ def start_capture() -> None:
         return
     from opguard.capture import api
 
-    cap = api.Capture(CaptureOptions.from_env(os.environ)).start()
+    try:
+        cap = api.Capture(CaptureOptions.from_env(os.environ)).start()
+    except HeldByThisRun as held:  # another Python process of this command captures the rank: run as is
+        print(f"opguard capture: warning: pid {os.getpid()} is not captured: its rank's capture is held by pid "
+              f"{held.pid} of this same command (a script run after another, a process that re-executed "
+              "itself, or a child started before its parent imported torch; only the first Python process "
+              "of a rank that imports torch is captured, docs/capture.md §1)", file=sys.stderr, flush=True)
+        _started.append(None)
+        return
     _started.append(cap)
+    os.environ[OWNER] = str(os.getpid())  # the Python processes it starts from now on are not ranks
     atexit.register(_stop_at_exit, cap)
+    for name in ("execv", "execve"):  # os.execl/execvp/... call these: a new image runs no atexit
+        orig = getattr(os, name, None)
+        if orig is not None:
+            setattr(os, name, _stopping_first(orig, cap))
+
+
+def _stopping_first(orig: Any, cap: Any) -> Any:
+    """``os.execv``/``os.execve`` that first end the capture (its records flushed, ``meta.json``
+    final, a note saying so): the new program image runs no ``atexit`` of this one."""
+    def exec_(*args: Any, **kwargs: Any) -> Any:
+        try:
+            cap.session.note("the process replaced itself (os.exec*); calls of the new program image are not in "
+                             "this trace")
+            cap.stop()
+        except Exception:  # pragma: no cover - ending capture must never stop the exec
+            pass
+        return orig(*args, **kwargs)
+
+    exec_.__name__, exec_.__doc__, exec_.__wrapped__ = orig.__name__, orig.__doc__, orig  # type: ignore[attr-defined]
+    return exec_
 
 
 def _stop_at_exit(cap: Any) -> None:
@@ -153,8 +186,6 @@ def install_hook() -> None:
     owner = os.environ.get(OWNER)
     if owner and owner != str(os.getpid()):
         return      # started by the captured program (subprocess.run([sys.executable, ...])): not a rank
-    if not is_agent(getattr(sys, "orig_argv", []), sys.argv):
-        os.environ[OWNER] = str(os.getpid())    # set before the program runs: its children see it (an exec keeps it)
     if "torch" in sys.modules:
         start_capture()
     else:

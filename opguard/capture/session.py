@@ -28,6 +28,7 @@ from opguard import __version__ as opguard_version
 from opguard.capture import dumps, hostkernel, records
 from opguard.capture.argnames import ArgNames
 from opguard.capture.callsite import Site, SiteTable
+from opguard.capture.claim import RUN_ENV, HeldByThisRun, holder
 from opguard.capture.digest import ALGORITHM, SAMPLE, Digester, finish, finish_moments, finish_stats, stats_row
 from opguard.capture.dumps import DumpPolicy, matches
 from opguard.capture.options import CaptureOptions
@@ -337,6 +338,9 @@ class Session:
         self.restart = restart_count(environ)  # torchrun's restarted attempts each have their own directory
         self.dir = rank_dir(self.rank, environ) / capture_dirname(self.restart)
         if (self.dir / CAPTURE_META_FILE).exists():
+            held = holder(self.dir / CAPTURE_META_FILE, environ)
+            if held is not None:
+                raise HeldByThisRun(held)
             raise ConfigError(f"{self.dir} already holds a capture (meta.json): traces of two runs, or of two "
                               f"processes that both resolved to rank {self.rank}, would mix",
                               "use a new OPGUARD_TRACE_OUTPUT_BASE (or run ID) for every captured run; within one run, "
@@ -1616,7 +1620,7 @@ class Session:
     def _write_meta(self, final: bool) -> None:
         meta = {
             "schema": records.SCHEMA, "version": records.VERSION, "opguard": opguard_version,
-            "arg_forms": records.ARG_FORMS, "rank": self.rank,
+            "arg_forms": records.ARG_FORMS, "run": self.env.get(RUN_ENV), "rank": self.rank,
             "world_size": self.who.world_size, "local_rank": self.who.local_rank,
             "pid": os.getpid(), "host": socket.gethostname(), "started_at": self.started_at,
             "ended_at": time.time() if final else None, "torch": torch.__version__,

@@ -134,8 +134,10 @@ def test_a_python_subprocess_of_the_program_is_not_a_rank_of_its_own(tmp_path: P
     """A Python the program starts itself (``subprocess.run([sys.executable, ...])``) inherits the
     bootstrap and resolved to the same rank: it was refused (exit 2, "already holds a capture"),
     and one started *before* the program imported torch took the rank's directory, so the program
-    itself was refused. Only the process the wrapper (or torchrun) started captures the rank; an
-    ``exec`` of it (same pid) still does."""
+    itself was refused. Now a Python started after capture began in its parent is not a rank
+    (``OPGUARD_CAPTURE_OWNER``), and one that finds the rank's capture held by another process of
+    this same command (``OPGUARD_CAPTURE_RUN``) runs uncaptured and says so on stderr: the first
+    Python of a rank that imports torch is captured, and no process is refused."""
     pytest.importorskip("torch", reason="capture needs torch (pip install torch, CPU build)")
     env = {k: v for k, v in os.environ.items() if not k.startswith("OPGUARD_")}
     env = child_env({**env, "OPGUARD_TRACE_OUTPUT_BASE": str(tmp_path / "t")})
@@ -146,15 +148,53 @@ def test_a_python_subprocess_of_the_program_is_not_a_rank_of_its_own(tmp_path: P
     assert r.returncode == 0, r.stderr
     assert r.stdout.split() == ["6.0", "child", "rc", "0"] and "refusing" not in r.stderr, r
     trace = (tmp_path / "t" / "ranks" / "rank-000000" / "capture" / "trace.jsonl").read_text()
-    fns = [json.loads(line).get("fn") for line in trace.splitlines()]
-    assert "Tensor.sum" in fns and "torch.arange" not in fns     # the program's calls, not the child's
-    # os.execv keeps the pid: the exec'd program is the rank's process and captures
-    code = ("import os, sys\nif len(sys.argv) < 2: os.execv(sys.executable, [sys.executable, '-c', "
-            "sys.orig_argv[-1], 'again'])\nimport torch\ntorch.zeros(3).sum()\n")
-    r = subprocess.run([sys.executable, "-c", code], env={**env, "OPGUARD_TRACE_OUTPUT_BASE": str(tmp_path / "e")},
+    fns = {json.loads(line).get("fn") for line in trace.splitlines()}
+    if first:   # the child imported torch first: it is the rank's capture, the program says it is not
+        assert "torch.arange" in fns and "torch.ones" not in fns
+        assert r.stderr.count("is not captured: its rank's capture is held by pid") == 1, r.stderr
+    else:       # the program's calls, not the child's; nothing said in the child
+        assert "torch.ones" in fns and "torch.arange" not in fns and "not captured" not in r.stderr
+
+
+@pytest.mark.parametrize("when", ["before", "after"])
+def test_a_program_that_re_executes_itself_is_never_refused(tmp_path: Path, when: str) -> None:
+    """``os.execv`` keeps the pid and the environment. Before ``import torch`` the new image is the
+    rank's process and captures; after it, the rank's capture is the old image's, and the new
+    image runs uncaptured and says so (it was refused: exit 2, its output lost)."""
+    pytest.importorskip("torch", reason="capture needs torch (pip install torch, CPU build)")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OPGUARD_")}
+    env = child_env({**env, "OPGUARD_TRACE_OUTPUT_BASE": str(tmp_path / "e")})
+    exec_line = "if len(sys.argv) < 2: os.execv(sys.executable, [sys.executable, '-c', sys.orig_argv[-1], 'again'])"
+    code = (f"import os, sys\n{exec_line}\nimport torch\ntorch.zeros(3).sum()\nprint('ran', len(sys.argv))\n"
+            if when == "before" else
+            f"import os, sys\nimport torch\ntorch.ones(3).sum()\n{exec_line}\nprint('ran', len(sys.argv))\n")
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, cwd=tmp_path)
+    assert r.returncode == 0 and r.stdout.split() == ["ran", "2"], r
+    trace = (tmp_path / "e" / "ranks" / "rank-000000" / "capture" / "trace.jsonl").read_text()
+    assert ("torch.zeros" if when == "before" else "torch.ones") in trace
+    assert ("not captured" in r.stderr) == (when == "after"), r.stderr
+
+
+def test_scripts_run_one_after_another_by_a_shell_are_never_refused(tmp_path: Path) -> None:
+    """``opguard-run --capture bash run.sh`` running two Python scripts: the second was refused
+    (exit 2), changing the script's exit status; a Python launcher that never imports torch left
+    its child uncaptured. The first Python of the rank that imports torch is captured."""
+    pytest.importorskip("torch", reason="capture needs torch (pip install torch, CPU build)")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OPGUARD_")}
+    env = child_env({**env, "OPGUARD_TRACE_OUTPUT_BASE": str(tmp_path / "s")})
+    (tmp_path / "s1.py").write_text("import torch\ntorch.ones(2).sum()\nprint('s1')\n")
+    (tmp_path / "s2.py").write_text("import torch\ntorch.zeros(2).sum()\nprint('s2')\n")
+    r = subprocess.run(["bash", "-c", f"{sys.executable} s1.py && {sys.executable} s2.py"], env=env,
                        capture_output=True, text=True, cwd=tmp_path)
-    assert r.returncode == 0, r.stderr
-    assert "torch.zeros" in (tmp_path / "e" / "ranks" / "rank-000000" / "capture" / "trace.jsonl").read_text()
+    assert r.returncode == 0 and r.stdout.split() == ["s1", "s2"], r
+    assert "torch.ones" in (tmp_path / "s" / "ranks" / "rank-000000" / "capture" / "trace.jsonl").read_text()
+    assert r.stderr.count("is not captured") == 1
+    # a launcher that never imports torch: its child is the rank's process
+    launcher = "import subprocess, sys; subprocess.run([sys.executable, 's1.py'], check=True)"
+    r = subprocess.run([sys.executable, "-c", launcher], env={**env, "OPGUARD_TRACE_OUTPUT_BASE": str(tmp_path / "l")},
+                       capture_output=True, text=True, cwd=tmp_path)
+    assert r.returncode == 0 and "not captured" not in r.stderr, r
+    assert "torch.ones" in (tmp_path / "l" / "ranks" / "rank-000000" / "capture" / "trace.jsonl").read_text()
 
 
 def test_a_program_that_ends_with_an_uncaught_exception_says_so_in_the_meta(tmp_path: Path) -> None:
