@@ -37,8 +37,8 @@ INHERITED = "inputs differ (inherited)"
 # passed the difference on (docs/compare.md §4)
 OTHER_INPUTS = ("inputs differ, although every earlier operation of this stream agrees: B's call reads other "
                 "tensors than A's (an edited line reading another variable), or tensors written where capture "
-                "records nothing (loaded from a file or made from NumPy, a DataLoader worker, another process "
-                "or rank, DDP's gradient all-reduce)")
+                "records nothing (loaded from a file or made from NumPy, another Python thread, a DataLoader "
+                "worker, another process or rank, DDP's gradient all-reduce)")
 # inputs equal where recorded, but one or more had no recorded content: the outputs can differ from there
 UNSEEN_INPUTS = "outputs differ, inputs equal where recorded; not recorded, so the difference can come from there: "
 REORDERED = "the same inputs in another order"
