@@ -124,12 +124,13 @@ def _stopping_first(orig: Any, cap: Any) -> Any:
     """``os.execv``/``os.execve`` that first end the capture (its records flushed, ``meta.json``
     final, a note saying so): the new program image runs no ``atexit`` of this one."""
     def exec_(*args: Any, **kwargs: Any) -> Any:
-        try:
-            cap.session.note("the process replaced itself (os.exec*); calls of the new program image are not in "
-                             "this trace")
-            cap.stop()
-        except Exception:  # pragma: no cover - ending capture must never stop the exec
-            pass
+        if os.getpid() == getattr(cap.session, "pid", None):  # not in a child forked from it: not its trace
+            try:
+                cap.session.note("the process replaced itself (os.exec*); calls of the new program image are not "
+                                 "in this trace")
+                cap.stop()
+            except Exception:  # pragma: no cover - ending capture must never stop the exec
+                pass
         return orig(*args, **kwargs)
 
     exec_.__name__, exec_.__doc__, exec_.__wrapped__ = orig.__name__, orig.__doc__, orig  # type: ignore[attr-defined]

@@ -175,6 +175,23 @@ def test_a_program_that_re_executes_itself_is_never_refused(tmp_path: Path, when
     assert ("not captured" in r.stderr) == (when == "after"), r.stderr
 
 
+def test_a_forked_child_that_execs_leaves_the_parent_s_capture_alone(tmp_path: Path) -> None:
+    """``os.execv`` ends the capture first, but only in the capturing process: a child forked from it
+    (records nothing) that execs must not stop or rewrite the parent's trace."""
+    pytest.importorskip("torch", reason="capture needs torch (pip install torch, CPU build)")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OPGUARD_")}
+    env = child_env({**env, "OPGUARD_TRACE_OUTPUT_BASE": str(tmp_path / "f")})
+    code = ("import os, sys\nimport torch\ntorch.ones(2).sum()\npid = os.fork()\n"
+            "if pid == 0: os.execv(sys.executable, [sys.executable, '-c', 'print(\"child\")'])\n"
+            "os.waitpid(pid, 0)\ntorch.zeros(2).sum()\nprint('parent')\n")
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, cwd=tmp_path)
+    assert r.returncode == 0 and sorted(r.stdout.split()) == ["child", "parent"], r
+    cap = tmp_path / "f" / "ranks" / "rank-000000" / "capture"
+    assert "torch.zeros" in (cap / "trace.jsonl").read_text()      # the parent went on capturing
+    meta = json.loads((cap / "meta.json").read_text())
+    assert meta["ended_at"] is not None and not any("replaced itself" in n for n in meta["notes"]), meta["notes"]
+
+
 def test_scripts_run_one_after_another_by_a_shell_are_never_refused(tmp_path: Path) -> None:
     """``opguard-run --capture bash run.sh`` running two Python scripts: the second was refused
     (exit 2), changing the script's exit status; a Python launcher that never imports torch left
