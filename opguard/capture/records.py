@@ -400,8 +400,8 @@ def _canonical(v: Any) -> tuple[str, Any]:
     if isinstance(v, (types.FunctionType, types.BuiltinFunctionType, types.MethodType, type)):
         # a callable or class argument (distance_function=, a loss class): which one, by its qualified
         # name (never an address); it was its type, "builtins.function", whichever function it was
-        if isinstance(v, types.BuiltinFunctionType):  # torch.relu: the name capture records it under
-            return "function", function_name(v)[0]
+        if isinstance(v, types.BuiltinFunctionType) and str(getattr(v, "__module__", None)).startswith("torch"):
+            return "function", function_name(v)[0]  # torch.relu: the name capture records it under
         return "function", f"{getattr(v, '__module__', None) or '?'}.{getattr(v, '__qualname__', '?')}"
     return "object", f"{t.__module__}.{t.__qualname__}"
 

@@ -60,12 +60,17 @@ class Arg:
         if self.type == "range" and isinstance(v, list) and len(v) == 3:
             return f"range({v[0]}, {v[1]}, {v[2]})"
         if self.type == "ndarray" and isinstance(v, dict):   # array([0, 2], dtype=int64)
-            what = (json.dumps(v["values"]) if "values" in v else
+            what = (_numbers(json.dumps(v["values"])) if "values" in v else
                     f"shape={v.get('shape')}, sha256={v.get('sha256')}")
             return f"array({what}, dtype={v.get('dtype')})"
         if self.type == "slice" and isinstance(v, list) and len(v) == 3:  # x[:80]: slice(None, 80, None)
             return "slice(" + ", ".join("None" if x is None else json.dumps(x) for x in v) + ")"
         return self.value
+
+
+def _numbers(text: str) -> str:
+    """A numeric array's values: its non-finite floats, stored as strings, unquoted."""
+    return text.replace('"nan"', "nan").replace('"-inf"', "-inf").replace('"inf"', "inf")
 
 
 AUTOCAST_SLOT = "(autocast)"  # a capture record's "autocast" field among its arguments (docs/compare.md §4)

@@ -441,6 +441,7 @@ def test_argument_entries_canonical_forms() -> None:
                                 "value": f"{__name__}.test_argument_entries_canonical_forms.<locals>.cos_dist"}
     assert e("f", torch.relu)["value"] == "torch.relu" and e("c", torch.nn.Linear)["value"] == \
         "torch.nn.modules.linear.Linear"
+    assert e("f", len)["value"] == "builtins.len" and e("f", [].append)["value"] == "?.list.append"
     long = list(range(40))
     text = json.dumps(long, separators=(",", ":"))
     assert len(text) > 64

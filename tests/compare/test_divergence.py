@@ -895,3 +895,5 @@ def test_values_read_as_python_writes_them() -> None:
     assert Arg("i", "range", "[0,4,1]").show() == "range(0, 4, 1)"
     assert Arg("i", "ndarray", '{"dtype":"int64","shape":[2],"values":[0,2]}').show() == \
         "array([0, 2], dtype=int64)"
+    assert Arg("i", "ndarray", '{"dtype":"float64","shape":[3],"values":[1.0,"nan","-inf"]}').show() == \
+        "array([1.0, nan, -inf], dtype=float64)"
