@@ -214,7 +214,9 @@ def _top_level(seg_a: range, seg_b: range, keys_a: Sequence[int], keys_b: Sequen
     make other nested calls (``F.relu`` records a nested ``torch.relu``, ``F.gelu`` none), so the
     segment's lengths differ. When the segment's *top-level* operations (depth 0) pair by rule 5,
     they are paired; the nested operations after each paired operation (and before the first) pair
-    in order where their call-site keys are equal, else stay unresolved (``nested-calls-differ``).
+    in order where their call-site keys are equal, or by rule 6 (the calls whose key the other run
+    lacks set aside: ``g - s`` edited to ``g - 0.5 * s`` in a custom ``backward``), else stay
+    unresolved (``nested-calls-differ``).
     False (nothing paired) when there is nothing nested to set aside or rule 5 does not apply."""
     top_a = [i for i in seg_a if not nested_a[i]]
     top_b = [j for j in seg_b if not nested_b[j]]
@@ -233,6 +235,8 @@ def _top_level(seg_a: range, seg_b: range, keys_a: Sequence[int], keys_b: Sequen
         run_a, run_b = range(a0 + 1, a1), range(b0 + 1, b1)
         if len(run_a) == len(run_b) and all(keys_a[i] == keys_b[j] for i, j in zip(run_a, run_b, strict=True)):
             _in_order(result, run_a, run_b)
+        elif run_a and run_b and _one_sided(run_a, run_b, keys_a, keys_b, result):
+            pass  # rule 6 in the run: a call only one side makes (a line edited in a custom backward)
         else:
             for i in run_a:
                 result.reason_a[i] = NESTED_CALLS_DIFFER
