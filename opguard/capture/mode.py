@@ -52,6 +52,7 @@ from opguard.capture.session import _fastcall as _fastcall  # the C handler (_fa
 from opguard.staging.layout import capture_dump_slot
 
 _OPS = (torch._ops.OpOverload, torch._ops.OpOverloadPacket)
+_HOP = torch._ops.HigherOrderOperator  # calls the program's functions (an autograd.Function under torch.func)
 _MAX_PLANS = 1 << 13
 _compiling = torch.compiler.is_dynamo_compiling  # False in eager code, True while Dynamo traces
 
@@ -411,10 +412,12 @@ class CaptureMode(TorchFunctionMode):
             return via(func, args, kwargs)
         if not (s.all_steps or s.step in s.options.steps):  # a step left out: its writes are still seen
             return _unselected(s, name, func, args, kwargs, via(func, args, kwargs))
-        # only Python-level torch functions call other torch functions: re-enter the mode for them,
+        # only Python-level torch functions and higher-order operators (custom_function_call runs an
+        # autograd.Function under torch.func) call other torch functions: re-enter the mode for them,
         # unless the function was found to only forward its call (wrappers.py)
         wrappers = s.wrappers
-        reenter = self.nested and isinstance(func, pytypes.FunctionType) and func not in wrappers.collapsed
+        reenter = self.nested and ((isinstance(func, pytypes.FunctionType) and func not in wrappers.collapsed)
+                                   or isinstance(func, _HOP))
         if self.fast is not None and not reenter:
             try:
                 planned = func in self.plans

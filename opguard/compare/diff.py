@@ -42,6 +42,8 @@ class Diff:
     # uninitialised memory, a tensor subclass, ...): "input (uninitialised memory)"; the differing
     # outputs can come from them, so the pair does not introduce the difference
     unseen: list[str] = field(default_factory=list)
+    # a differing dtype or shape field's values, "A's -> B's" ("inputs.self.dtype": "float16 -> bfloat16")
+    values: dict[str, str] = field(default_factory=dict)
 
     @property
     def introduced(self) -> bool:
@@ -75,11 +77,17 @@ def _compare_slots(kind: str, a: list[Slot], b: list[Slot], out: list[str], diff
                         diff.uninitialized += 1      # uninitialised memory: never compared, counted apart
                     continue
                 out.append(f"{kind}.{name}.{attr}")
+                if attr != "digest" and diff is not None:
+                    diff.values[f"{kind}.{name}.{attr}"] = f"{_shown(getattr(sa, attr))} -> {_shown(getattr(sb, attr))}"
                 bad = True
         if bad:
             differing.append((sa, sb))
     out.sort()
     return differing
+
+
+def _shown(v: Any) -> str:
+    return "[" + ", ".join(map(str, v)) + "]" if isinstance(v, (list, tuple)) else str(v)
 
 
 def _stats_diff(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:

@@ -46,13 +46,13 @@ from opguard.compare.summary import (
     FUNCTION_DIFFERS_KIND,
     INHERITED,
     MODULE_DIFFERS,
-    OTHER_INPUTS,
     OUTPUTS_DIFFER,
     REORDERED,
     UNSEEN_INPUTS,
     FirstMismatch,
     StreamSummary,
     Summary,
+    other_inputs,
     random_differs,
 )
 from opguard.errors import ConfigError, OpguardError
@@ -330,6 +330,10 @@ class _Chunk:
     uninitialized: int = 0
     last_unresolved: str | None = None
     first_random_unresolved: str | None = None  # the first unpaired operation that drew random numbers
+    # before the first mismatch: the last ok pair whose outputs capture recorded without content (a
+    # torch.func wrapper, a tensor subclass, ...), and the last such random draw (docs/compare.md §4)
+    last_unseen: str | None = None
+    last_unseen_draw: str | None = None
     first_unresolved: str | None = None
     first_new_b: str | None = None
     first_gone_a: str | None = None
@@ -428,6 +432,31 @@ def _same_but_seq(la: bytes, lb: bytes) -> tuple[int, int] | None:
     if not (da.isdigit() and db.isdigit()):
         return None
     return int(da), int(db)
+
+
+_NOT_UNSEEN = (None, "digest mode none", "uninitialized memory")  # no content by choice, or none to have
+
+
+def _note_unseen(out: _Chunk, side: Any, x: _Item, i: int, rid: bytes) -> None:
+    """Remember an ok pair whose outputs capture recorded without content (``reason``: a torch.func
+    wrapper, a tensor subclass, ...): it agreed only where recorded (``other_inputs``)."""
+    if isinstance(x, Record):
+        why = next((s.reason for s in x.outputs if s.digest is None and s.reason not in _NOT_UNSEEN), None)
+        seeded = x.seeded
+    else:
+        outs = x[3].get("outputs")
+        why = next((e.get("reason") for e in outs if e.__class__ is dict and e.get("digest") is None
+                    and e.get("reason") not in _NOT_UNSEEN), None) if outs.__class__ is list else None
+        seeded = x[3].get("seeded") is True
+    if why is None:
+        return
+    site = side.site_objs[side.site_ids[i]]
+    loc = f"{site.file or '?'}:{site.line if site.line is not None else '?'}"
+    desc = (f"{site.function} at {loc} ({rid.decode('utf-8', 'surrogatepass')}) "
+            f"{'drew random numbers into' if seeded else 'made'} outputs capture recorded without content ({why})")
+    out.last_unseen = desc
+    if seeded:
+        out.last_unseen_draw = desc
 
 
 def _slots_equal(x: _Item, y: _Item, dumps: bool) -> bool:
@@ -550,6 +579,8 @@ def _run_rows(job: _Job, r0: int, r1: int, writer: ExportWriter) -> _Chunk:
                         pairs_out.write(json.dumps({**head, "row": row, "status": OK, "basis": basis,
                                                     "a": _op_json(side_a, xa, i), "b": _op_json(side_b, xb, j)})
                                         + "\n")
+                if out.first_mismatch is None:
+                    _note_unseen(out, side_a, xa, i, rid_a)
                 continue
             ra, rb = side_a.record(xa, i), side_b.record(xb, j)
             d = diff_pair(ra, rb)
@@ -563,6 +594,8 @@ def _run_rows(job: _Job, r0: int, r1: int, writer: ExportWriter) -> _Chunk:
                                   {"fields": d.fields, "args": d.args, "inputs_equal": d.inputs_equal,
                                    "introduced": d.introduced, "numeric": d.numeric, "function": d.function},
                                   "uninitialized_not_compared": d.uninitialized})
+            if d.status == OK and out.first_mismatch is None:
+                _note_unseen(out, side_a, ra, i, rid_a)
             if not selected:
                 continue
             status[d.status] += 1
@@ -581,14 +614,16 @@ def _run_rows(job: _Job, r0: int, r1: int, writer: ExportWriter) -> _Chunk:
             if d.status == MISMATCH:
                 kind = (FUNCTION_DIFFERS_KIND if d.function and d.inputs_equal else ARGS_DIFFER if d.args else
                         (COLLECTIVE_DIFFERS if ra.collective or rb.collective else
-                         random_differs(out.first_random_unresolved) if ra.seeded or rb.seeded else
+                         random_differs(out.first_random_unresolved, out.last_unseen_draw)
+                         if ra.seeded or rb.seeded else
                          MODULE_DIFFERS if ra.whole_module or rb.whole_module else
                          OUTPUTS_DIFFER) if d.inputs_equal else
                         REORDERED if d.reordered else UNSEEN_INPUTS + ", ".join(d.unseen) if d.unseen else INHERITED)
                 fm = FirstMismatch(rid_a.decode("utf-8", "surrogatepass"), rid_b.decode("utf-8", "surrogatepass"),
                                    ra.function, _where(ra), d.fields, d.numeric, out.unresolved,
                                    _module(ra.context), ra.step, d.args, kind, _where(rb), out.last_unresolved,
-                                   rb.line_map, rb.function if d.function else None, _raised(ra, rb))
+                                   rb.line_map, rb.function if d.function else None, _raised(ra, rb),
+                                   d.values)
                 if out.first_mismatch is None:
                     out.first_mismatch = fm
                 if d.introduced:
@@ -797,14 +832,16 @@ def _first_reads_other_inputs(chunks: list[_Chunk], opts: Options) -> None:
     memory written where capture records nothing). Counted as introduced from then on."""
     if opts.select.per_op:
         return
+    unseen = draw = None
     for c in chunks:
+        unseen, draw = c.last_unseen or unseen, c.last_unseen_draw or draw
         fm = c.first_mismatch
         if fm is None:
             if c.unresolved:
                 return
             continue
         if fm.kind == INHERITED and fm.unresolved_before == 0:
-            fm.kind = OTHER_INPUTS
+            fm.kind = other_inputs(draw or unseen)
             c.first_divergence = fm
             c.introduced += 1
             c.inherited -= 1

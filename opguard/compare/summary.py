@@ -17,12 +17,16 @@ RANDOM_DIFFERS = ("outputs differ, inputs and arguments equal, in a random draw 
                   "another seed, or another number of draws before it)")
 
 
-def random_differs(unpaired_draw: str | None) -> str:
-    """:data:`RANDOM_DIFFERS`, naming the unpaired call that drew random numbers before it, if any."""
-    if unpaired_draw is None:
-        return RANDOM_DIFFERS
-    return ("outputs differ, inputs and arguments equal, in a random draw (the generator's state differs: "
-            f"{unpaired_draw}, a call the other run does not make, drew random numbers before it)")
+def random_differs(unpaired_draw: str | None, unseen_draw: str | None = None) -> str:
+    """:data:`RANDOM_DIFFERS`, naming the unpaired call that drew random numbers before it, if any,
+    else an earlier paired draw whose outputs capture recorded without content (``unseen_draw``:
+    inside a torch.func transform, ...), whose own difference could not be seen."""
+    if unpaired_draw is not None:
+        return ("outputs differ, inputs and arguments equal, in a random draw (the generator's state differs: "
+                f"{unpaired_draw}, a call the other run does not make, drew random numbers before it)")
+    if unseen_draw is not None:
+        return RANDOM_DIFFERS[:-1] + f"; before it, {unseen_draw}, drew random numbers too)"
+    return RANDOM_DIFFERS
 
 
 # the same for a collective or point-to-point transfer: what this rank received differs, another
@@ -38,7 +42,17 @@ INHERITED = "inputs differ (inherited)"
 OTHER_INPUTS = ("inputs differ, although every earlier operation of this stream agrees: B's call reads other "
                 "tensors than A's (an edited line reading another variable), or tensors written where capture "
                 "records nothing (loaded from a file or made from NumPy, another Python thread, a DataLoader "
-                "worker, another process or rank, DDP's gradient all-reduce)")
+                "worker, another process or rank, DDP's gradient all-reduce, a saved-tensors pack hook)")
+
+
+def other_inputs(unseen: str | None) -> str:
+    """:data:`OTHER_INPUTS`, first naming the last earlier operation (a random draw preferred) whose
+    outputs capture recorded without content (``unseen``: a tensor inside a torch.func transform, a
+    tensor subclass, ...): it agreed only where recorded, and the difference can come from there."""
+    if unseen is None:
+        return OTHER_INPUTS
+    return (f"inputs differ, although every earlier operation of this stream agrees where recorded: before it, "
+            f"{unseen}: the difference can come from there; or" + OTHER_INPUTS.split(":", 1)[1])
 # inputs equal where recorded, but one or more had no recorded content: the outputs can differ from there
 UNSEEN_INPUTS = "outputs differ, inputs equal where recorded; not recorded, so the difference can come from there: "
 REORDERED = "the same inputs in another order"
@@ -64,13 +78,15 @@ class FirstMismatch:
     line_map_b: str | None = None             # how B's line corresponds to A's (docs/compare.md §2)
     function_b: str | None = None             # B's function, when it differs (basis function-differs)
     raised: str | None = None                 # which run's call raised what, when only one did or they differ
+    values: dict[str, str] = field(default_factory=dict)  # a differing dtype/shape field: "A's -> B's"
 
     def describe(self) -> str:
         """One line; at most SHOWN arguments, fields and numeric slots (an optimizer step's record
         can differ in every parameter: the rest are counted, all are in ``--json`` and the view)."""
-        what = _capped(self.args, "; ") if self.args else _capped(self.fields, ", ")
+        fields = [f"{f} ({self.values[f]})" if f in self.values else f for f in self.fields]
+        what = _capped(self.args, "; ") if self.args else _capped(fields, ", ")
         if self.function_b:  # the "function" field is said by the arrow; no other field: outputs equal
-            rest = self.args or [f for f in self.fields if f != "function"]
+            rest = self.args or [f for f in fields if f != "function"]
             what = f"{self.function} -> {self.function_b}; " + (
                 _capped(rest, "; " if self.args else ", ") if rest else "inputs and outputs equal")
         if self.raised:
@@ -93,7 +109,7 @@ class FirstMismatch:
                 "kind": self.kind, "args": self.args, "fields": self.fields, "numeric": self.numeric,
                 "unresolved_before": self.unresolved_before, "nearest_unresolved": self.nearest_unresolved,
                 "line_map_b": self.line_map_b, "function_b": self.function_b,
-                "raised": self.raised}
+                "raised": self.raised, "values": dict(self.values)}
 
 
 SHOWN = 6  # items of a list shown in one summary line

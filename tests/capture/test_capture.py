@@ -2309,3 +2309,63 @@ def test_a_copy_of_uninitialised_memory_is_uninitialised(tmp_path: Path) -> None
     assert clones[1]["digest"] == oc_digest(torch.ones(3))  # a copy of content is a result
     fills = [r["outputs"][0] for r in op if r["fn"] == "Tensor.fill_"]
     assert len(fills) == 4 and all(f["digest"] for f in fills)  # written whole: content from then on
+
+
+class _Square(torch.autograd.Function):
+    """x * x with its own backward and vmap rule: under torch.func it runs as the higher-order
+    operator ``custom_function_call``."""
+
+    @staticmethod
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        return x * x
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: Any, output: Any) -> None:
+        ctx.save_for_backward(inputs[0])
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+        (x,) = ctx.saved_tensors
+        return 2 * x * g
+
+    @staticmethod
+    def vmap(info: Any, in_dims: Any, x: torch.Tensor) -> Any:
+        return x * x, in_dims[0]
+
+
+def test_calls_inside_higher_order_operators_are_recorded_and_results_unchanged(tmp_path: Path) -> None:
+    """A custom autograd.Function under vmap/grad/jacrev runs as ``custom_function_call``, a
+    higher-order operator: its calls (the program's own forward) were not recorded, so an edit there
+    had no record. The operator is re-entered now, its calls nested under it; eager ``torch.cond``,
+    ``while_loop``, ``scan`` and ``flex_attention`` (higher-order operators too) give the same results."""
+    from torch._higher_order_ops.scan import scan
+    from torch._higher_order_ops.while_loop import while_loop
+    from torch.func import grad, jacrev, vmap
+
+    def program() -> list[torch.Tensor]:
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(4, 3, generator=g)
+        out = [vmap(_Square.apply)(x), grad(lambda v: _Square.apply(v).sum())(x),
+               jacrev(lambda v: _Square.apply(v).sum(0))(x[0]),
+               torch.cond(x.sum() > 0, lambda v: v.sin() * 2, lambda v: v.cos() + 1, (x,)),
+               while_loop(lambda i, v: i < 3, lambda i, v: (i + 1, v * 1.5), (torch.tensor(0), x))[1],
+               scan(lambda c, xs: (c + xs, (c + xs) * 2), torch.zeros(3), x)[1]]
+        try:
+            from torch.nn.attention.flex_attention import flex_attention
+        except ImportError:  # an older torch
+            return out
+        q = torch.randn(1, 2, 8, 4, generator=g)
+        return [*out, flex_attention(q, q, q)]
+
+    want = program()
+    with oc.capture(env={"OPGUARD_TRACE_OUTPUT_BASE": str(tmp_path)}) as cap:
+        got = program()
+    assert len(got) == len(want) and all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    op = ops(read_trace(cap.path))
+    assert not any("capture_error" in r for r in op)
+    hops = [r for r in op if r["fn"] == "torch.ops.higher_order.custom_function_call"]
+    assert len(hops) == 3, [r["fn"] for r in op]
+    for h in hops:  # x * x of _Square.forward (or its vmap rule), nested under the operator's record
+        inner = [r for r in op if r["parent"] == h["seq"]]
+        assert [r["fn"] for r in inner] == ["Tensor.mul"], inner
+        assert inner[0]["depth"] == h["depth"] + 1 and inner[0]["func"] in ("forward", "vmap")

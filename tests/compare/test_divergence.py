@@ -897,3 +897,110 @@ def test_values_read_as_python_writes_them() -> None:
         "array([0, 2], dtype=int64)"
     assert Arg("i", "ndarray", '{"dtype":"float64","shape":[3],"values":[1.0,"nan","-inf"]}').show() == \
         "array([1.0, nan, -inf], dtype=float64)"
+
+
+def test_other_inputs_name_an_earlier_draw_recorded_without_content(tmp_path: Path) -> None:
+    """A seed edited before ``vmap(F.dropout, randomness="different")``: the draw's outputs are
+    torch.func wrappers, recorded without content, so its pair is ok, and the first mismatch is the
+    ``sum`` reading them. That read "every earlier operation agrees ... loaded from a file or made
+    from NumPy, another Python thread, ...": none of which applied. It now names the draw."""
+    why = "torch.func wrapper: no storage of its own"
+
+    def run(y: str) -> list[dict[str, Any]]:
+        recs = [synth.op(0, "torch.ones", 4, "x = torch.ones(4, 4)", [], [synth.digest_of("ones")]),
+                synth.op(1, "torch.dropout", 5, "y = vmap(drop)(x)", [synth.digest_of("ones")], [y]),
+                synth.op(2, "Tensor.sum", 6, "print(y.sum())", [y], [synth.digest_of("sum", y)])]
+        recs[1]["seeded"] = True
+        recs[1]["inputs"][0].update(digest=None, reason=why)
+        recs[1]["outputs"][0].update(digest=None, reason=why, stats=None)
+        return recs
+
+    a = _write(tmp_path, "a", run(synth.digest_of("drawn", "a")))
+    b = _write(tmp_path, "b", run(synth.digest_of("drawn", "b")))
+    p = run_compare(a, b, tmp_path / "v.pftrace")
+    assert p.returncode == 0, p.stderr
+    assert ("first divergence: Tensor.sum at /work/train.py:6, step 0 (A/rank0/capture/2 <-> B/rank0/capture/2): "
+            "inputs differ, although every earlier operation of this stream agrees where recorded: before it, "
+            "torch.dropout at /work/train.py:5 (A/rank0/capture/1) drew random numbers into outputs capture "
+            f"recorded without content ({why}): the difference can come from there; or B's call reads other "
+            "tensors than A's") in p.stderr, p.stderr
+    assert "1 introduced, 0 inherited" in p.stderr
+
+
+def test_a_later_draw_names_an_earlier_draw_recorded_without_content(tmp_path: Path) -> None:
+    """The vmap draw's result unused: the seed edit shows at a later ``torch.randn``, whose line read
+    "another seed, or another number of draws before it" with no hint of the earlier draw."""
+    why = "torch.func wrapper: no storage of its own"
+
+    def run(r: str) -> list[dict[str, Any]]:
+        recs = [synth.op(0, "torch.dropout", 5, "y = vmap(drop)(x)", [], ["x"]),
+                synth.op(1, "torch.randn", 6, "z = torch.randn(4, 4)", [], [r])]
+        for rec in recs:
+            rec["seeded"] = True
+        recs[0]["outputs"][0].update(digest=None, reason=why, stats=None)
+        return recs
+
+    a = _write(tmp_path, "a", run(synth.digest_of("randn", "a")))
+    b = _write(tmp_path, "b", run(synth.digest_of("randn", "b")))
+    p = run_compare(a, b, tmp_path / "v.pftrace")
+    assert p.returncode == 0, p.stderr
+    assert ("in a random draw (the generator's state differs: another seed, or another number of draws before it; "
+            "before it, torch.dropout at /work/train.py:5 (A/rank0/capture/0) drew random numbers into outputs "
+            f"capture recorded without content ({why}), drew random numbers too)") in p.stderr, p.stderr
+
+
+def test_a_differing_dtype_or_shape_shows_both_values(tmp_path: Path) -> None:
+    """A saved-tensors pack hook edited from float16 to bfloat16 (its calls are not recorded): the
+    unpack's ``Tensor.to`` read "inputs.self.dtype", a field name without the values."""
+    def run(dtype: str, shape: list[int]) -> list[dict[str, Any]]:
+        rec = synth.op(0, "Tensor.to", 7, "unpack=lambda t: t.to(torch.float32)", [synth.digest_of("in", dtype)],
+                       [synth.digest_of("out", dtype)])
+        rec["inputs"][0].update(dtype=dtype, shape=shape)
+        return [rec]
+
+    a = _write(tmp_path, "a", run("float16", [3]))
+    b = _write(tmp_path, "b", run("bfloat16", [3, 1]))
+    p = run_compare(a, b, tmp_path / "v.pftrace", extra=["--json", str(tmp_path / "s.json")])
+    assert p.returncode == 0, p.stderr
+    assert ("a saved-tensors pack hook): inputs.arg0.digest, inputs.arg0.dtype (float16 -> bfloat16), "
+            "inputs.arg0.shape ([3] -> [3, 1]), outputs.out.digest") in p.stderr, p.stderr
+    fd = json.loads((tmp_path / "s.json").read_text())["ranks"][0]["first_divergence"]
+    assert fd["values"] == {"inputs.arg0.dtype": "float16 -> bfloat16", "inputs.arg0.shape": "[3] -> [3, 1]"}
+
+
+_FUNCTION_UNDER_VMAP = """import torch
+from torch.func import vmap
+
+
+class Double(torch.autograd.Function):
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x):
+        return x * {factor}
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * {factor}
+
+
+x = torch.arange(6.0).view(2, 3)
+print(vmap(Double.apply)(x).sum().item())
+"""
+
+
+def test_an_edit_inside_an_autograd_function_under_vmap_is_named(tmp_path: Path) -> None:
+    """Real captures: a custom autograd.Function applied under ``vmap`` runs as the higher-order
+    operator ``custom_function_call``; the calls of its forward were not recorded, so ``x * 2.0`` ->
+    ``x * 3.0`` showed at the ``sum`` after vmap as "inputs differ ... loaded from a file ...". The
+    operator is re-entered like a Python-level function now: the edited call is the divergence."""
+    runs = _captured_pair(tmp_path, _FUNCTION_UNDER_VMAP.format(factor="2.0"),
+                          "# edited\n\n" + _FUNCTION_UNDER_VMAP.format(factor="3.0"))
+    p = run_compare(runs["a"], runs["b"], tmp_path / "v.pftrace")
+    assert p.returncode == 0, p.stderr
+    assert "first divergence: Tensor.mul at " in p.stderr and "swap.py:10 (B: " in p.stderr, p.stderr
+    assert "arguments differ: other (arg1): 2.0 -> 3.0" in p.stderr, p.stderr
