@@ -9,6 +9,7 @@ active capture, so instrumented programs run unchanged without it.
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 import threading
 import weakref
@@ -20,6 +21,7 @@ import torch
 from torch.nn.modules import module as nn_module
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
+from opguard.capture.claim import HeldByThisRun
 from opguard.capture.collectives import Collectives, collectives
 from opguard.capture.compiles import CompileWindows
 from opguard.capture.dispatch import AtenMode, tag_outputs
@@ -366,7 +368,7 @@ class Capture:
         global _active
         if _active is not None:
             raise ConfigError("a capture is already active in this process",
-                              "nest no capture() blocks (opguard-run --capture already captures the whole program)")
+                              "start no second Capture (capture() blocks inside a running capture record into it)")
         self._thread = threading.get_ident()
         self.modules.install()
         self.collectives.install()
@@ -461,13 +463,43 @@ class Capture:
 
 
 @contextlib.contextmanager
-def capture(env: dict[str, str] | None = None, **options: Any) -> Iterator[Capture]:
-    """Capture every operation in the block; keywords as in ``docs/capture.md`` §1.1 (defaults from env)."""
-    cap = Capture(CaptureOptions.from_env(env, **options), env).start()
+def capture(env: dict[str, str] | None = None, **options: Any) -> Iterator[Capture | None]:
+    """Capture every operation in the block; keywords as in ``docs/capture.md`` §1.1 (defaults from env).
+
+    Inside a capture already running in this process (``opguard-run --capture`` captures the whole
+    program; or an enclosing block) the block records into that one and yields it: its own options
+    are not applied, stderr says so once. In a process that ``opguard-run --capture`` left
+    uncaptured (another process of the command holds its rank's capture) the block runs uncaptured
+    and yields None, saying why once (docs/capture.md §1)."""
+    running = _active
+    if running is not None:
+        _say_once("inner", "opguard capture: warning: this process is already captured (opguard-run --capture, or "
+                  "an enclosing capture() block): a capture() block inside records into that capture"
+                  + (f", without its own options ({', '.join(sorted(options))})" if options or env else "")
+                  + " (docs/capture.md §1)")
+        yield running
+        return
+    try:
+        cap = Capture(CaptureOptions.from_env(env, **options), env).start()
+    except HeldByThisRun as held:  # opguard-run --capture captures another process of this rank: run as is
+        _say_once("held", f"opguard capture: warning: the capture() block of pid {os.getpid()} runs uncaptured: its "
+                  f"rank's capture is held by pid {held.pid} of this same opguard-run --capture command "
+                  "(docs/capture.md §1)")
+        yield None
+        return
     try:
         yield cap
     finally:
         cap.stop()
+
+
+_said: set[str] = set()
+
+
+def _say_once(kind: str, text: str) -> None:
+    if kind not in _said:
+        _said.add(kind)
+        print(text, file=sys.stderr, flush=True)
 
 
 def active() -> Capture | None:

@@ -188,8 +188,11 @@ class Digester:
         size = t.element_size()
         ratio = 8 // size
         flat = t.reshape(-1)  # a view when the data is contiguous, else a copy in logical order
-        if not flat.is_contiguous():  # flattened without a copy, elements apart (x[:, 0], a diagonal)
-            flat = flat.contiguous()
+        if not flat.is_contiguous() or (flat.numel() and flat.stride(0) != 1):
+            # flattened without a copy, elements apart (x[:, 0], a diagonal); or one element with a
+            # stride other than 1 (z[:1, 0], jacrev's basis of a scalar output): "contiguous", yet
+            # .view(int64) wants stride 1 (and .contiguous(), .clone() keep that stride)
+            flat = flat.clone(memory_format=torch.contiguous_format)
         n = flat.numel()
         if ratio == 1:
             return flat if flat.dtype == torch.int64 else flat.view(torch.int64)

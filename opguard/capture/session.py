@@ -329,6 +329,20 @@ def restart_count(env: Mapping[str, str]) -> int:
     return int(raw)
 
 
+_dispatch_modes = torch._C._len_torch_dispatch_stack  # TorchDispatchModes on the stack (Python key)
+_pre_dispatch_modes = torch._ops._len_torch_dispatch_stack_pre_dispatch  # make_fx(pre_dispatch=True)'s
+_no_dispatch_modes: Any = torch.utils._python_dispatch._disable_current_modes
+
+
+def _pid_of(meta_path: Path) -> Any:
+    """The ``pid`` a capture's ``meta.json`` names (None when unreadable)."""
+    try:
+        meta = json.loads(meta_path.read_text())
+    except (OSError, ValueError):
+        return None
+    return meta.get("pid") if isinstance(meta, dict) else None
+
+
 class Session:
     def __init__(self, options: CaptureOptions, env: dict[str, str] | None = None) -> None:
         environ = dict(os.environ) if env is None else env
@@ -341,6 +355,12 @@ class Session:
             held = holder(self.dir / CAPTURE_META_FILE, environ)
             if held is not None:
                 raise HeldByThisRun(held)
+            if _pid_of(self.dir / CAPTURE_META_FILE) == os.getpid():  # an earlier capture() block of this process
+                raise ConfigError(f"this process (pid {os.getpid()}) already captured into {self.dir} in an earlier "
+                                  "capture() block; a rank's directory holds one capture",
+                                  "keep one capture() block open over every part to capture (choose the steps with "
+                                  "steps= or OPGUARD_CAPTURE_STEPS), or give a later block its own "
+                                  "OPGUARD_TRACE_OUTPUT_BASE (docs/capture.md §1)")
             raise ConfigError(f"{self.dir} already holds a capture (meta.json): traces of two runs, or of two "
                               f"processes that both resolved to rank {self.rank}, would mix",
                               "use a new OPGUARD_TRACE_OUTPUT_BASE (or run ID) for every captured run; within one run, "
@@ -521,6 +541,15 @@ class Session:
         range_stats = not contiguous and not fresh and not (conj or neg)
         self.busy += 1
         try:
+            if _dispatch_modes() or _pre_dispatch_modes():
+                # a tracer (make_fx, and torch.func.linearize through it), a FlopCounterMode or any
+                # other TorchDispatchMode of the program's (or capture's own dispatch level): capture's
+                # tensor work runs outside them, never traced into the program's graph nor seen by
+                # its mode (before, the torch path's hashing ops were in make_fx's graph)
+                with _no_dispatch_modes():
+                    if self.host is not None and t.is_cpu:
+                        return self._summarize_host(t, key, s, n, want_stats and bool(n), range_stats)
+                    return self._summarize(t, key, s, n, want_stats and bool(n), range_stats)
             if self.host is not None and t.is_cpu:
                 return self._summarize_host(t, key, s, n, want_stats and bool(n), range_stats)
             return self._summarize(t, key, s, n, want_stats and bool(n), range_stats)

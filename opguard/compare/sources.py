@@ -91,6 +91,9 @@ class Stream:
     arg_names: dict[str, tuple[str | None, ...]] = field(default_factory=dict)
     # (opguard version, argument forms revision) of the capture (meta.json ``opguard``, ``arg_forms``; §2.1)
     forms: tuple[str | None, int] = (None, 1)
+    # what capture's own selection left out (meta.json ``options``: steps, functions, modules,
+    # contexts), e.g. "steps 1-2"; "" when it recorded every call (docs/compare.md §4)
+    selection: str = ""
     # functions whose nested function-level records pass 1 leaves out (set by the engine for a stream pair)
     aside: frozenset[str] = frozenset()
     sites: SiteCache = field(init=False)
@@ -359,19 +362,22 @@ def _capture_stream(run: Run, rank_dir: Path, rank: int, dirname: str) -> None:
                           "opguard materialize (which writes regular files only)")
     meta_notes: list[str] = []
     forms: list[tuple[str | None, int]] = []
-    collapsed, arg_names = _check_meta(cap / CAPTURE_META_FILE, rank, meta_notes, forms)
+    selection: list[str] = []
+    collapsed, arg_names = _check_meta(cap / CAPTURE_META_FILE, rank, meta_notes, forms, selection)
     segs = _segments([p for p in cap.iterdir() if p.is_file() and not p.is_symlink()]).get(str(trace), [])
     stream = CAPTURE_STREAM if dirname == CAPTURE_DIRNAME else dirname
     run.streams[(rank, stream)] = Stream(KIND_CAPTURE, rank, stream, segs, _capture_sources(rank_dir, dirname),
                                          rank_dir, meta_notes=meta_notes, collapsed=collapsed,
-                                         arg_names=arg_names, forms=forms[0] if forms else (None, 1))
+                                         arg_names=arg_names, forms=forms[0] if forms else (None, 1),
+                                         selection="; ".join(selection))
 
 
-def _check_meta(path: Path, rank: int, notes: list[str], forms: list[tuple[str | None, int]] | None = None
-                ) -> tuple[frozenset[str], dict[str, tuple[str | None, ...]]]:
+def _check_meta(path: Path, rank: int, notes: list[str], forms: list[tuple[str | None, int]] | None = None,
+                selection: list[str] | None = None) -> tuple[frozenset[str], dict[str, tuple[str | None, ...]]]:
     """Check a capture's meta.json; its notes into ``notes``, its (opguard version, argument forms)
-    into ``forms``; returns the functions it collapsed and the positional parameter names of the
-    recorded functions (``arg_names``, docs/capture.md §3.4)."""
+    into ``forms``, what its options left out into ``selection``; returns the functions it
+    collapsed and the positional parameter names of the recorded functions (``arg_names``,
+    docs/capture.md §3.4)."""
     try:
         meta = read_json_nofollow(path, TABLE_MAX_BYTES)
     except FileNotFoundError:
@@ -389,6 +395,16 @@ def _check_meta(path: Path, rank: int, notes: list[str], forms: list[tuple[str |
         made_by, arg_forms = meta.get("opguard"), meta.get("arg_forms", 1)
         forms.append((printable(made_by, 40) if isinstance(made_by, str) else None,
                       arg_forms if isinstance(arg_forms, int) and not isinstance(arg_forms, bool) else 1))
+    options = meta.get("options")
+    if selection is not None and isinstance(options, dict):  # capture-time selection (docs/capture.md §1.1)
+        steps = options.get("steps")
+        if isinstance(steps, str) and steps != "all":
+            selection.append(f"steps {printable(steps, 80)}")
+        for key in ("functions", "modules", "contexts"):
+            chosen = options.get(key)
+            if isinstance(chosen, list) and chosen:
+                selection.append(f"{key} {', '.join(printable(str(c), 80) for c in chosen[:4])}"
+                                 + (", ..." if len(chosen) > 4 else ""))
     listed = meta.get("notes")
     for note in listed if isinstance(listed, list) else ():  # schema v2: capture's notes (docs/capture.md §2.1)
         notes.append(f"capture: {printable(note, 1000)}")

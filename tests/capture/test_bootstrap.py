@@ -230,3 +230,46 @@ def test_a_program_that_ends_with_an_uncaught_exception_says_so_in_the_meta(tmp_
         **env, "OPGUARD_TRACE_OUTPUT_BASE": str(tmp_path / "u")}, capture_output=True, text=True, check=True)
     meta = json.loads((tmp_path / "u" / "ranks" / "rank-000000" / "capture" / "meta.json").read_text())
     assert ok.returncode == 0 and not any("uncaught" in n for n in meta["notes"])
+
+
+def test_the_explicit_api_inside_opguard_run_capture_records_into_the_running_capture(tmp_path: Path) -> None:
+    """A program written for the explicit API (``with oc.capture():``) run under ``opguard-run
+    --capture``: the block started a second capture in the process already captured, which failed
+    with a traceback ("held by pid N of this same command", N its own pid) and exit 1. The block now
+    records into the running capture and says so once; a ``capture()`` block in a process the
+    wrapper left uncaptured (another process holds the rank) runs uncaptured, saying why."""
+    pytest.importorskip("torch", reason="capture needs torch (pip install torch, CPU build)")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OPGUARD_")}
+    env = child_env({**env, "OPGUARD_TRACE_OUTPUT_BASE": str(tmp_path / "t")})
+    code = ("import torch, subprocess, sys\nimport opguard.capture as oc\n"
+            "for _ in range(2):\n    with oc.capture(steps='0') as cap:\n        x = torch.ones(3) * 2\n"
+            "    print(cap is __import__('opguard.capture.api').capture.api.active(), x.sum().item())\n"
+            "inner = ('import torch, opguard.capture as oc\\n'\n"
+            "         'with oc.capture() as c:\\n    print(c, torch.ones(2).sum().item())')\n"
+            "env = dict(__import__('os').environ); env.pop('OPGUARD_CAPTURE_OWNER')\n"
+            "print(subprocess.run([sys.executable, '-c', inner], env=env).returncode)\n")
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split("\n")[:4] == ["True 6.0", "True 6.0", "None 2.0", "0"], r
+    assert r.stderr.count("this process is already captured") == 1 and "without its own options (steps)" in r.stderr
+    assert r.stderr.count("runs uncaptured: its rank's capture is held by pid") == 1, r.stderr
+    assert "Traceback" not in r.stderr
+    trace = (tmp_path / "t" / "ranks" / "rank-000000" / "capture" / "trace.jsonl").read_text()
+    fns = [json.loads(line).get("fn") for line in trace.splitlines()]
+    assert fns.count("Tensor.mul") == 2 and "torch.ones" in fns
+
+
+def test_a_second_capture_block_of_one_process_says_what_happened(tmp_path: Path) -> None:
+    """Two ``with oc.capture():`` blocks one after the other in a plain Python: the second was
+    refused as "traces of two runs, or of two processes that both resolved to rank 0", neither of
+    which had happened. It now says this process captured there in an earlier block, and the fix."""
+    pytest.importorskip("torch", reason="capture needs torch (pip install torch, CPU build)")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OPGUARD_")}
+    env["OPGUARD_TRACE_OUTPUT_BASE"] = str(tmp_path / "t")
+    code = ("import torch\nimport opguard.capture as oc\nfrom opguard.errors import ConfigError\n"
+            "with oc.capture():\n    torch.ones(2)\n"
+            "try:\n    with oc.capture():\n        torch.ones(2)\nexcept ConfigError as e:\n    print(e, '|', e.fix)\n")
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, cwd=tmp_path,
+                       check=True)
+    assert "in an earlier capture() block; a rank's directory holds one capture" in r.stdout, r
+    assert "keep one capture() block open over every part to capture" in r.stdout, r

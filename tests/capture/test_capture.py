@@ -761,14 +761,17 @@ def test_refusals(tmp_path: Path, out_env: dict[str, str]) -> None:
         pass
     with oc.capture(env=out_env):
         torch.ones(2).sum()
-    with pytest.raises(ConfigError, match="already holds a capture"), oc.capture(env=out_env):
+    with pytest.raises(ConfigError, match=r"already captured into .* in an earlier capture\(\) block"), \
+            oc.capture(env=out_env):
         pass
     with pytest.raises(ConfigError, match="OPGUARD_CAPTURE_DIGEST"):
         oc.capture(env={**out_env, "OPGUARD_CAPTURE_DIGEST": "md5"}).__enter__()
-    with pytest.raises(ConfigError, match="already active"), oc.capture(env=out_env | {
-            "OPGUARD_TRACE_OUTPUT_BASE": str(tmp_path / "o2")}), oc.capture(env={
-            "OPGUARD_TRACE_OUTPUT_BASE": str(tmp_path / "o3")}):
-        pass
+    # a block inside a running capture records into it (docs/capture.md §1): before, "already active"
+    with oc.capture(env=out_env | {"OPGUARD_TRACE_OUTPUT_BASE": str(tmp_path / "o2")}) as outer, oc.capture(env={
+            "OPGUARD_TRACE_OUTPUT_BASE": str(tmp_path / "o3")}) as inner:
+        assert inner is outer
+        torch.ones(2).sum()
+    assert not (tmp_path / "o3").exists() and any((tmp_path / "o2").rglob("trace.jsonl"))
     assert torch.overrides._get_current_function_mode_stack() == []
 
 
@@ -2369,3 +2372,46 @@ def test_calls_inside_higher_order_operators_are_recorded_and_results_unchanged(
         inner = [r for r in op if r["parent"] == h["seq"]]
         assert [r["fn"] for r in inner] == ["Tensor.mul"], inner
         assert inner[0]["depth"] == h["depth"] + 1 and inner[0]["func"] in ("forward", "vmap")
+
+
+@pytest.mark.parametrize("kernel", ["torch", "native"])
+def test_capture_s_tensor_work_is_never_traced_nor_counted_by_the_program_s_dispatch_modes(
+        tmp_path: Path, kernel: str) -> None:
+    """With the PyTorch-ops host path (the path accelerator tensors take), capture's hashing ops ran
+    under the program's TorchDispatchModes: ``make_fx(f, tracing_mode="real")`` of ``sin(x) * w``
+    got 71 graph nodes instead of 5 (``bitwise_xor``, shifts, ...), ``torch.func.linearize``'s graph
+    grew, a ``FlopCounterMode`` would count them. They now run outside every dispatch mode; and a
+    one-element view with stride 2 (``z[:1, 0]``, jacrev's basis of a scalar output) is summarised
+    on that path too (it failed: "self.stride(-1) must be 1 to view Float as Long")."""
+    from torch.func import jacrev, linearize
+    from torch.fx.experimental.proxy_tensor import make_fx
+    from torch.utils.flop_counter import FlopCounterMode
+
+    w = torch.randn(3, 3, generator=torch.Generator().manual_seed(0))
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        return torch.sin(x) @ w
+
+    def program() -> tuple[str, int, list[float], int, torch.Tensor]:
+        x = torch.ones(2, 3)
+        gm = make_fx(f, tracing_mode="real")(x)
+        _, jvp_fn = linearize(lambda t: torch.sin(t) * 2.0, x[0])
+        tangent = jvp_fn(torch.ones(3)).tolist()
+        with FlopCounterMode(display=False) as counter:
+            f(x)
+        z = torch.zeros(2, 2)
+        z[:1, 0].fill_(1.0)
+        return gm.code, len(list(gm.graph.nodes)), tangent, counter.get_total_flops(), \
+            jacrev(lambda v: (v * v).sum())(x[0])
+
+    want = program()
+    env = {"OPGUARD_TRACE_OUTPUT_BASE": str(tmp_path), "OPGUARD_CAPTURE_HOST_KERNEL": kernel}
+    with oc.capture(env=env) as cap:
+        got = program()
+    assert got[:4] == want[:4] and torch.equal(got[4], want[4])
+    op = ops(read_trace(cap.path))
+    assert not any("capture_error" in r for r in op)
+    assert not any(str(e.get("reason", "")).startswith("summary failed") for r in op for e in r["outputs"]), \
+        [e for r in op for e in r["outputs"] if e.get("reason")]
+    fill = next(r for r in op if r["fn"] == "Tensor.fill_")
+    assert fill["outputs"][0]["digest"]

@@ -1004,3 +1004,31 @@ def test_an_edit_inside_an_autograd_function_under_vmap_is_named(tmp_path: Path)
     assert p.returncode == 0, p.stderr
     assert "first divergence: Tensor.mul at " in p.stderr and "swap.py:10 (B: " in p.stderr, p.stderr
     assert "arguments differ: other (arg1): 2.0 -> 3.0" in p.stderr, p.stderr
+
+
+def test_a_capture_of_selected_steps_is_never_read_as_every_earlier_operation_agreeing(tmp_path: Path) -> None:
+    """Runs captured with ``OPGUARD_CAPTURE_STEPS=1-2`` and ``w * 2.0`` -> ``w * 3.0``: the first
+    record (``loss.item()`` of step 0's loss) reads a tensor step 0 computed, unrecorded. It was
+    headlined "inputs differ, although every earlier operation of this stream agrees", counted as
+    introduced, and the edited call in step 1 was never named; nothing said what was left out."""
+    def run(factor: float) -> list[dict[str, Any]]:
+        loss = synth.digest_of("loss", str(factor))
+        recs = [synth.op(0, "Tensor.item", 8, "losses.append(loss.item())", [loss], [], step=1),
+                synth.op(1, "Tensor.mul", 6, "loss = (w * 2.0).sum()", [synth.digest_of("w")],
+                         [synth.digest_of("mul", str(factor))], step=1)]
+        recs[1]["args"] = [synth.arg("arg1", "float", factor)]
+        return recs
+
+    meta = {"options": {"steps": "1-2", "functions": [], "modules": [], "contexts": []}}
+    synth.write_rank(tmp_path / "a", 0, run(2.0), version=2, meta=meta)
+    synth.write_rank(tmp_path / "b", 0, run(3.0), version=2, meta=meta)
+    p = run_compare(tmp_path / "a", tmp_path / "b", tmp_path / "v.pftrace")
+    assert p.returncode == 0, p.stderr
+    assert "first divergence: Tensor.mul at /work/train.py:6" in p.stderr, p.stderr
+    assert "although every earlier" not in p.stderr, p.stderr
+    assert ("note: capture recorded a selection only (run A: steps 1-2; run B: steps 1-2): the calls it left out "
+            "were not compared") in p.stderr, p.stderr
+    synth.write_rank(tmp_path / "c", 0, run(3.0), version=2,
+                     meta={"options": {"steps": "all", "functions": ["torch.mm"], "modules": [], "contexts": []}})
+    p = run_compare(tmp_path / "a", tmp_path / "c", tmp_path / "w.pftrace")
+    assert "(run A: steps 1-2; run B: functions torch.mm)" in p.stderr, p.stderr
