@@ -134,6 +134,17 @@ def _unselected(s: Session, name: str, func: Any, args: Sequence[Any], kwargs: M
     return result
 
 
+def _drawn_inside(call: Call, name: str, pending: list[Any], start: int) -> None:
+    """A re-entered function one of whose nested calls drew random numbers (``F.dropout2d`` ->
+    ``torch.feature_dropout``, ``F.gumbel_softmax`` -> ``Tensor.exponential_``) draws too: its record
+    is ``seeded``, and so are its later calls (collapsed ones too, whose nested call is not recorded)."""
+    for item in pending[start:]:
+        if item.rec.get("seeded") if isinstance(item, Call) else b'"seeded":true' in item:
+            call.rec["seeded"] = True
+            records._seeded[name] = True
+            return
+
+
 def _grew(inputs: list[dict[str, Any]], outs: list[tuple[str, Any]]) -> bool:
     """A ``resize_`` that made its tensor larger: the new elements are whatever the allocator left."""
     if not inputs or not outs or not isinstance(outs[0][1], torch.Tensor):
@@ -465,8 +476,11 @@ class CaptureMode(TorchFunctionMode):
             return _unselected(s, name, func, args, kwargs, via(func, args, kwargs))
         watch: int | None = None  # a watched wrapper call (wrappers.py): where the records it makes begin
         marked = bool(s._uninit)  # uninitialised memory is marked (§3.7): its inputs may be some
+        drew: tuple[list[Any], int] | None = None  # where its nested records begin (a draw among them?)
         if call is not None:
             s.parents.append(call.rec["seq"])
+            if reenter and "seeded" not in call.rec:
+                drew = (s.pending, len(s.pending))
             if reenter and s.select_all and wrappers.watched(func):
                 watch = len(s.pending)
                 wrappers.watching += 1
@@ -493,6 +507,8 @@ class CaptureMode(TorchFunctionMode):
                     wrappers.watching -= 1
         if call is None:
             return _unselected(s, name, func, args, kwargs, result)
+        if drew is not None and drew[0] is s.pending:
+            _drawn_inside(call, name, drew[0], drew[1])
         if (kind == records.CONVERSION and not self.noise and not dump_out and args and result is args[0]
                 and s.drop(call)):  # a conversion that returned its input: it computed nothing (§3.5)
             return result

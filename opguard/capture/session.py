@@ -330,7 +330,7 @@ def restart_count(env: Mapping[str, str]) -> int:
 
 
 _dispatch_modes = torch._C._len_torch_dispatch_stack  # TorchDispatchModes on the stack (Python key)
-_pre_dispatch_modes = torch._ops._len_torch_dispatch_stack_pre_dispatch  # make_fx(pre_dispatch=True)'s
+_pre_dispatch_modes: Any = torch._ops._len_torch_dispatch_stack_pre_dispatch  # make_fx(pre_dispatch=True)'s
 _no_dispatch_modes: Any = torch.utils._python_dispatch._disable_current_modes
 
 

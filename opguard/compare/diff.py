@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -110,7 +111,8 @@ def _stats_diff(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
 
 
 def load_dump(path: str) -> Any:
-    """A tensor dump as a float64 numpy array (``.npy`` with numpy, ``.pt`` with torch, lazily)."""
+    """A tensor dump as a flat float64 numpy array (``.npy`` with numpy, ``.pt`` with torch, lazily);
+    a complex tensor as its (real, imaginary) pairs, so a difference in either part counts."""
     import numpy as np
 
     p = Path(path)
@@ -122,8 +124,12 @@ def load_dump(path: str) -> Any:
         else:
             import torch
 
-            t = torch.load(f, map_location="cpu", weights_only=True)
-            arr = t.detach().to(torch.float64).numpy()
+            t = torch.load(f, map_location="cpu", weights_only=True).detach().resolve_conj().resolve_neg()
+            if t.is_complex():
+                t = torch.view_as_real(t)
+            arr = t.to(torch.float64).numpy()
+    if np.iscomplexobj(arr):
+        arr = np.stack([arr.real, arr.imag], axis=-1)
     return np.asarray(arr, dtype=np.float64).ravel()
 
 
@@ -133,15 +139,18 @@ def dump_errors(pa: str, pb: str) -> dict[str, float]:
     a, b = load_dump(pa), load_dump(pb)
     if a.shape != b.shape:
         return {}
-    d = np.abs(a - b)
-    with np.errstate(divide="ignore", invalid="ignore"):
+    # non-finite elements (inf - inf, 0 / 0, an all-NaN difference) give NaN, left out by nanmax; no
+    # NumPy RuntimeWarning reaches the user's terminal
+    with np.errstate(all="ignore"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        d = np.abs(a - b)
         rel = d / np.maximum(np.abs(a), np.abs(b))
-    rel = np.where(d == 0, 0.0, rel)
-    out = {"max_abs_err": float(np.nanmax(d)) if d.size else 0.0,
-           "max_rel_err": float(np.nanmax(rel)) if rel.size else 0.0}
-    na, nb = float(np.linalg.norm(a)), float(np.linalg.norm(b))
-    if na > 0 and nb > 0:
-        out["cosine"] = float(np.dot(a, b) / (na * nb))
+        rel = np.where(d == 0, 0.0, rel)
+        out = {"max_abs_err": float(np.nanmax(d)) if d.size else 0.0,
+               "max_rel_err": float(np.nanmax(rel)) if rel.size else 0.0}
+        na, nb = float(np.linalg.norm(a)), float(np.linalg.norm(b))
+        if na > 0 and nb > 0 and math.isfinite(na) and math.isfinite(nb):
+            out["cosine"] = float(np.dot(a, b) / (na * nb))
     return out
 
 

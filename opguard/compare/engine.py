@@ -46,6 +46,7 @@ from opguard.compare.summary import (
     FUNCTION_DIFFERS_KIND,
     INHERITED,
     MODULE_DIFFERS,
+    OUTPUT_FORM_DIFFERS,
     OUTPUTS_DIFFER,
     REORDERED,
     UNSEEN_INPUTS,
@@ -613,7 +614,8 @@ def _run_rows(job: _Job, r0: int, r1: int, writer: ExportWriter) -> _Chunk:
                 pairs_out.write(json.dumps(line) + "\n")
             if d.status == MISMATCH:
                 kind = (FUNCTION_DIFFERS_KIND if d.function and d.inputs_equal else ARGS_DIFFER if d.args else
-                        (COLLECTIVE_DIFFERS if ra.collective or rb.collective else
+                        (OUTPUT_FORM_DIFFERS if any(k.startswith("outputs.") for k in d.values) else
+                         COLLECTIVE_DIFFERS if ra.collective or rb.collective else
                          random_differs(out.first_random_unresolved, out.last_unseen_draw)
                          if ra.seeded or rb.seeded else
                          MODULE_DIFFERS if ra.whole_module or rb.whole_module else

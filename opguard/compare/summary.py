@@ -12,6 +12,10 @@ CAVEAT = ("caveat: unresolved operations precede it in this stream; an observed 
 
 ARGS_DIFFER = "arguments differ"
 OUTPUTS_DIFFER = "outputs differ, inputs and arguments equal"
+# the same when an output's dtype or shape differs: what the call made was asked for differently
+OUTPUT_FORM_DIFFERS = ("outputs differ in dtype or shape, inputs and arguments equal (another default dtype, "
+                       "torch.set_default_dtype; or a size or dtype the call took from somewhere capture does not "
+                       "record)")
 # the same for a call that draws random numbers (capture's "seeded"): the likely why
 RANDOM_DIFFERS = ("outputs differ, inputs and arguments equal, in a random draw (the generator's state differs: "
                   "another seed, or another number of draws before it)")
@@ -25,7 +29,7 @@ def random_differs(unpaired_draw: str | None, unseen_draw: str | None = None) ->
         return ("outputs differ, inputs and arguments equal, in a random draw (the generator's state differs: "
                 f"{unpaired_draw}, a call the other run does not make, drew random numbers before it)")
     if unseen_draw is not None:
-        return RANDOM_DIFFERS[:-1] + f"; before it, {unseen_draw}, drew random numbers too)"
+        return RANDOM_DIFFERS[:-1] + f"; before it, {unseen_draw}: it may have drawn differently)"
     return RANDOM_DIFFERS
 
 

@@ -2415,3 +2415,22 @@ def test_capture_s_tensor_work_is_never_traced_nor_counted_by_the_program_s_disp
         [e for r in op for e in r["outputs"] if e.get("reason")]
     fill = next(r for r in op if r["fn"] == "Tensor.fill_")
     assert fill["outputs"][0]["digest"]
+
+
+def test_a_python_function_whose_nested_call_draws_is_a_random_draw(tmp_path: Path) -> None:
+    """``F.dropout2d`` (-> ``torch.feature_dropout``) and ``F.gumbel_softmax`` (->
+    ``Tensor.exponential_``) were not ``seeded``, although the call inside them that draws was: a
+    changed seed read as "outputs differ, inputs and arguments equal" at the wrapper, without the
+    random-draw explanation, and once the wrapper was collapsed (§3.10) its draw was in no record."""
+    import torch.nn.functional as F
+
+    x = torch.ones(1, 4, 3, 3)
+    with oc.capture(env={"OPGUARD_TRACE_OUTPUT_BASE": str(tmp_path)}) as cap:
+        for _ in range(4):  # collapsed after its first calls: still seeded
+            F.dropout2d(x, 0.5, training=True)
+            F.gumbel_softmax(torch.zeros(5), tau=1.0)
+    op = [r for r in ops(read_trace(cap.path)) if r["depth"] == 0]
+    for fn in ("torch.nn.functional.dropout2d", "torch.nn.functional.gumbel_softmax"):
+        calls = [r for r in op if r["fn"] == fn]
+        assert len(calls) == 4 and all(r.get("seeded") is True for r in calls), (fn, calls)
+    assert not any(r.get("seeded") for r in op if r["fn"] == "torch.zeros")

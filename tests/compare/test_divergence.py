@@ -946,7 +946,7 @@ def test_a_later_draw_names_an_earlier_draw_recorded_without_content(tmp_path: P
     assert p.returncode == 0, p.stderr
     assert ("in a random draw (the generator's state differs: another seed, or another number of draws before it; "
             "before it, torch.dropout at /work/train.py:5 (A/rank0/capture/0) drew random numbers into outputs "
-            f"capture recorded without content ({why}), drew random numbers too)") in p.stderr, p.stderr
+            f"capture recorded without content ({why}): it may have drawn differently)") in p.stderr, p.stderr
 
 
 def test_a_differing_dtype_or_shape_shows_both_values(tmp_path: Path) -> None:
@@ -1032,3 +1032,45 @@ def test_a_capture_of_selected_steps_is_never_read_as_every_earlier_operation_ag
                      meta={"options": {"steps": "all", "functions": ["torch.mm"], "modules": [], "contexts": []}})
     p = run_compare(tmp_path / "a", tmp_path / "c", tmp_path / "w.pftrace")
     assert "(run A: steps 1-2; run B: functions torch.mm)" in p.stderr, p.stderr
+
+
+def test_an_output_of_another_dtype_is_not_blamed_on_the_generator(tmp_path: Path) -> None:
+    """``torch.set_default_dtype(torch.float64)`` edited to float32 before ``torch.rand(4)``: the
+    draw's output dtype differs, which read "in a random draw (the generator's state differs:
+    another seed ...)"; the call was asked for another dtype."""
+    def run(dtype: str) -> list[dict[str, Any]]:
+        rec = synth.op(0, "torch.rand", 4, "x = torch.rand(4)", [], [synth.digest_of("rand", dtype)])
+        rec["outputs"][0]["dtype"] = dtype
+        rec["seeded"] = True
+        return [rec]
+
+    p = run_compare(_write(tmp_path, "a", run("float64")), _write(tmp_path, "b", run("float32")),
+                    tmp_path / "v.pftrace")
+    assert p.returncode == 0, p.stderr
+    assert ("outputs differ in dtype or shape, inputs and arguments equal (another default dtype, "
+            "torch.set_default_dtype; ") in p.stderr, p.stderr
+    assert "outputs.out.dtype (float64 -> float32)" in p.stderr and "generator" not in p.stderr, p.stderr
+
+
+def test_dumped_complex_and_non_finite_values_are_compared_whole_and_quietly(tmp_path: Path) -> None:
+    """Element-wise errors of tensor dumps: a complex output differing only in its imaginary part
+    read ``max_abs_err=0.0, cosine=1.0`` (the imaginary part dropped, with PyTorch's warning on
+    stderr), and dumps holding inf printed NumPy's "invalid value encountered in subtract"."""
+    import warnings
+
+    import numpy as np
+    torch = pytest.importorskip("torch", reason="the .pt dump format needs torch")
+
+    from opguard.compare.diff import dump_errors
+
+    a, b = tmp_path / "a.pt", tmp_path / "b.pt"
+    torch.save(torch.complex(torch.ones(4), torch.full((4,), 0.5)), a)
+    torch.save(torch.complex(torch.ones(4), torch.full((4,), 0.7)), b)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        errs = dump_errors(str(a), str(b))
+        assert errs["max_abs_err"] == pytest.approx(0.2) and errs["cosine"] < 1.0, errs
+        np.save(tmp_path / "c.npy", np.array([1.0, np.inf, -np.inf, np.nan]))
+        np.save(tmp_path / "d.npy", np.array([2.0, np.inf, np.inf, np.nan]))
+        errs = dump_errors(str(tmp_path / "c.npy"), str(tmp_path / "d.npy"))
+    assert errs["max_abs_err"] == np.inf and "cosine" not in errs, errs
