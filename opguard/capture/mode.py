@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import os
 import sys
 import types as pytypes
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -132,6 +133,28 @@ def _unselected(s: Session, name: str, func: Any, args: Sequence[Any], kwargs: M
     except Exception as err:
         s.failed("recording", err)
     return result
+
+
+_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
+_OPS_FILE = os.path.join(_TORCH_DIR, "_ops.py")
+
+
+def _aten_by_program(s: Session, caller: Any, func: Any) -> None:
+    """Count an ATen operator called by code outside PyTorch (an exported program's module, whose
+    generated ``forward`` calls ``torch.ops.aten.*``): unrecorded at level=function, said in the
+    meta notes (docs/capture.md §10)."""
+    try:
+        f = caller
+        while f is not None and f.f_code.co_filename == _OPS_FILE:  # OpOverload.__call__
+            f = f.f_back
+        if f is None or os.path.abspath(f.f_code.co_filename).startswith(_TORCH_DIR) \
+                or not str(getattr(func, "__module__", "")).startswith("torch._ops.aten"):
+            return
+        s.aten_unrecorded += 1
+        if s.aten_first is None:
+            s.aten_first = f"torch.ops.{func} at {f.f_code.co_filename}:{f.f_lineno}"
+    except Exception as err:
+        s.failed("recording", err)
 
 
 def _drawn_inside(call: Call, name: str, pending: list[Any], start: int) -> None:
@@ -372,6 +395,8 @@ class CaptureMode(TorchFunctionMode):
                 quiet.profiler_op(func)
             return via(func, args, kwargs)
         if isinstance(func, _OPS) and program_op(func) is None:  # torch.ops (the dispatch level's): not recorded,
+            if not s.parents and s.aten_op is None:  # (called by no recorded call: the program's own code?)
+                _aten_by_program(s, caller, func)
             seq = s.seq  # but what it wrote is seen; the program's own operators are recorded
             result = via(func, args, kwargs)
             if s.seq != seq or s.aten_op is func:  # level=dispatch recorded it (or what it decomposes into):

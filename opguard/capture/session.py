@@ -397,6 +397,10 @@ class Session:
         self.contexts: list[str] = []
         self.modules: list[str] = []
         self.parents: list[int] = []
+        # ATen operators the program's own code (an exported program's module, an FX graph) called
+        # at level=function, unrecorded there (mode.py): how many, and the first (a meta note)
+        self.aten_unrecorded = 0
+        self.aten_first: str | None = None
         # records begun and not written yet, in seq order: a finished op record with nothing left to
         # fill is kept encoded (bytes, _seal), the others as Call
         self.pending: list[Call | bytes] = []
@@ -1748,6 +1752,12 @@ class Session:
             self.wrappers.clear()
 
     def _compile_notes(self) -> None:
+        if self.aten_unrecorded:
+            self.note(f"{self.aten_unrecorded} call(s) of ATen operators (torch.ops.aten.*) made by the program's own "
+                      f"code ran unrecorded at level=function (the first: {self.aten_first}): an exported program's "
+                      "module (torch.export(...).module()), an FX graph or a pipeline stage computes so; a "
+                      "difference computed there shows first where a recorded call uses its result; "
+                      "OPGUARD_CAPTURE_LEVEL=dispatch records them")
         dyn = sys.modules.get("torch._dynamo.utils")
         counters = getattr(dyn, "counters", None)
         try:

@@ -2434,3 +2434,36 @@ def test_a_python_function_whose_nested_call_draws_is_a_random_draw(tmp_path: Pa
         calls = [r for r in op if r["fn"] == fn]
         assert len(calls) == 4 and all(r.get("seeded") is True for r in calls), (fn, calls)
     assert not any(r.get("seeded") for r in op if r["fn"] == "torch.zeros")
+
+
+def test_aten_calls_of_an_exported_module_are_said_in_the_meta(tmp_path: Path) -> None:
+    """``torch.export.export(m, (x,)).module()`` computes with ``torch.ops.aten.*`` calls from its
+    generated code: unrecorded at the function level (the dispatch level's), and nothing said so, so
+    an edited ``softplus`` beta inside it read as "inputs differ ... loaded from a file ...". The
+    meta notes now count them (PyTorch's own aten calls, in its Python code, are not counted)."""
+    class M(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.nn.functional.softplus(self.lin(x), beta=2.0)
+
+    torch.manual_seed(0)
+    m, x = M(), torch.randn(2, 4)
+    gm = torch.export.export(m, (x,)).module()
+    want = gm(x)
+    mha = torch.nn.MultiheadAttention(4, 2, batch_first=True)
+    for sub, exported in (("plain", False), ("exported", True)):
+        with oc.capture(env={"OPGUARD_TRACE_OUTPUT_BASE": str(tmp_path / sub)}) as cap:
+            mha(x[None], x[None], x[None])
+            torch.nn.functional.scaled_dot_product_attention(x[None], x[None], x[None])
+            if exported:
+                got = gm(x)
+        notes = json.loads((cap.path / "meta.json").read_text())["notes"]
+        said = [n for n in notes if "ATen operators (torch.ops.aten.*) made by the program's own code" in n]
+        if exported:
+            assert torch.equal(got, want)
+            assert len(said) == 1 and said[0].startswith("2 call(s)") and "aten.linear.default" in said[0], notes
+        else:
+            assert not said, notes
