@@ -599,11 +599,14 @@ class CaptureMode(TorchFunctionMode):
                     duals.made(s, args, kwargs, call.rec["inputs"])
                 if self.on_output is not None:
                     self.on_output(call, outs)
-                if wrappers.watching:  # inside a watched wrapper call: what this call took and gave
-                    call.ids = (frozenset([id(t) for _, t in ins]), frozenset([id(t) for _, t in outs]))
                 if watch is not None:
                     wrappers.observe(func, name, call, s.pending[watch:], frozenset([id(t) for _, t in ins]),
                                      frozenset([id(t) for _, t in outs]))
+                # inside a watched wrapper call: what this call took and gave; none for a re-entered
+                # call that is no pass-through itself (Tensor.backward -> torch.autograd.backward, whose
+                # engine runs the program's hooks and backward code): its caller is never collapsed
+                if wrappers.watching and (not reenter or wrappers.forwards(func)):
+                    call.ids = (frozenset([id(t) for _, t in ins]), frozenset([id(t) for _, t in outs]))
         except Exception as err:
             s.failed("recording", err, call)
             if watch is not None:

@@ -59,6 +59,12 @@ class Wrappers:
             self.collapsed.add(func)
             self.found.append({"fn": name, "after_seq": rec["seq"]})
 
+    def forwards(self, func: Any) -> bool:
+        """``func`` (re-entered) has so far only forwarded its calls, or is collapsed: a call that
+        forwards to it forwards too. A re-entered function that did anything else (no recorded call
+        at all: ``torch.autograd.backward``, whose engine runs the program's hooks) is no such link."""
+        return func in self.collapsed or self._forwarded.get(func, 0) > 0
+
     def failed(self, func: Any) -> None:
         """A watched call that raised, or whose recording failed: not a pass-through."""
         self._forwarded[func] = _NOT_A_WRAPPER

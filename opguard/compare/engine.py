@@ -335,6 +335,10 @@ class _Chunk:
     # torch.func wrapper, a tensor subclass, ...), and the last such random draw (docs/compare.md §4)
     last_unseen: str | None = None
     last_unseen_draw: str | None = None
+    # the A seqs of the first divergence's call and the calls nested in it, while the rows are in
+    # it: set when that call's outputs differ with inputs and arguments equal (torch.autograd.grad
+    # running an edited backward); a nested call that introduced a difference itself replaces it
+    fd_tree: set[Any] | None = None
     first_unresolved: str | None = None
     first_new_b: str | None = None
     first_gone_a: str | None = None
@@ -433,6 +437,20 @@ def _same_but_seq(la: bytes, lb: bytes) -> tuple[int, int] | None:
     if not (da.isdigit() and db.isdigit()):
         return None
     return int(da), int(db)
+
+
+def _in_tree(out: _Chunk, x: _Item) -> bool:
+    """Whether the pair's A record is nested (at any depth) in the first divergence's call
+    (``_Chunk.fd_tree``); the first row outside it ends the tree."""
+    tree = out.fd_tree
+    rec = x[3] if x.__class__ is tuple else None
+    if tree is not None and isinstance(rec, dict):
+        parent = rec.get("parent")
+        if parent is not None and parent.__class__ is int and parent in tree:
+            tree.add(rec.get("seq"))
+            return True
+    out.fd_tree = None
+    return False
 
 
 _NOT_UNSEEN = (None, "digest mode none", "uninitialized memory")  # no content by choice, or none to have
@@ -582,6 +600,8 @@ def _run_rows(job: _Job, r0: int, r1: int, writer: ExportWriter) -> _Chunk:
                                         + "\n")
                 if out.first_mismatch is None:
                     _note_unseen(out, side_a, xa, i, rid_a)
+                if out.fd_tree is not None:
+                    _in_tree(out, xa)
                 continue
             ra, rb = side_a.record(xa, i), side_b.record(xb, j)
             d = diff_pair(ra, rb)
@@ -597,6 +617,7 @@ def _run_rows(job: _Job, r0: int, r1: int, writer: ExportWriter) -> _Chunk:
                                   "uninitialized_not_compared": d.uninitialized})
             if d.status == OK and out.first_mismatch is None:
                 _note_unseen(out, side_a, ra, i, rid_a)
+            inside = out.fd_tree is not None and _in_tree(out, xa)
             if not selected:
                 continue
             status[d.status] += 1
@@ -632,6 +653,15 @@ def _run_rows(job: _Job, r0: int, r1: int, writer: ExportWriter) -> _Chunk:
                     out.introduced += 1
                     if out.first_divergence is None:
                         out.first_divergence = fm
+                        if kind == OUTPUTS_DIFFER and xa.__class__ is tuple:
+                            out.fd_tree = {xa[3].get("seq")}
+                    elif inside and kind != OUTPUTS_DIFFER and out.first_divergence is not None:
+                        # a call nested in it introduced a difference of its own (its arguments or
+                        # function differ): that is where B first computed differently
+                        outer = out.first_divergence
+                        fm.inside = f"{outer.function} at {outer.where} ({outer.record_a} <-> {outer.record_b})"
+                        out.first_divergence = fm
+                        out.fd_tree = None
                 else:
                     out.inherited += 1
             continue

@@ -83,6 +83,8 @@ class FirstMismatch:
     function_b: str | None = None             # B's function, when it differs (basis function-differs)
     raised: str | None = None                 # which run's call raised what, when only one did or they differ
     values: dict[str, str] = field(default_factory=dict)  # a differing dtype/shape field: "A's -> B's"
+    # the call it is nested in, whose outputs differed with inputs and arguments equal (docs/compare.md §4)
+    inside: str | None = None
 
     def describe(self) -> str:
         """One line; at most SHOWN arguments, fields and numeric slots (an optimizer step's record
@@ -105,7 +107,9 @@ class FirstMismatch:
             ctx.append(f"module {self.module}")
         ctx.append(f"step {self.step if self.step is not None else '?'}")
         return (f"{self.function} at {at}, {', '.join(ctx)} ({self.record_a} <-> {self.record_b}): {self.kind}: "
-                f"{what}" + (f"; {nums}" if nums else ""))
+                f"{what}" + (f"; {nums}" if nums else "")
+                + (f" [a call inside {self.inside}, whose outputs differ with inputs and arguments equal]"
+                   if self.inside else ""))
 
     def as_json(self) -> dict[str, Any]:
         return {"record_a": self.record_a, "record_b": self.record_b, "function": self.function,
@@ -113,7 +117,7 @@ class FirstMismatch:
                 "kind": self.kind, "args": self.args, "fields": self.fields, "numeric": self.numeric,
                 "unresolved_before": self.unresolved_before, "nearest_unresolved": self.nearest_unresolved,
                 "line_map_b": self.line_map_b, "function_b": self.function_b,
-                "raised": self.raised, "values": dict(self.values)}
+                "raised": self.raised, "values": dict(self.values), "inside": self.inside}
 
 
 SHOWN = 6  # items of a list shown in one summary line

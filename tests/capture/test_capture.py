@@ -2467,3 +2467,27 @@ def test_aten_calls_of_an_exported_module_are_said_in_the_meta(tmp_path: Path) -
             assert len(said) == 1 and said[0].startswith("2 call(s)") and "aten.linear.default" in said[0], notes
         else:
             assert not said, notes
+
+
+def test_backward_is_never_collapsed_so_hooks_added_later_are_recorded(tmp_path: Path) -> None:
+    """Two ``h.sum().backward(torch.tensor(1.0))`` calls that ran no Python code each forwarded to
+    ``torch.autograd.backward``: ``Tensor.backward`` was collapsed (§3.10), and from then on the
+    calls of a tensor hook, a full-backward hook or a custom Function's backward ran unrecorded, so
+    an edit there read "no divergence". A call that forwards to a re-entered function that is no
+    pass-through itself (the engine runs the program's code) is not forwarding: never collapsed."""
+    import torch.nn.functional as F
+
+    w = torch.ones(3, requires_grad=True)
+    with oc.capture(env={"OPGUARD_TRACE_OUTPUT_BASE": str(tmp_path)}) as cap:
+        for step in range(3):
+            h = F.relu(w * 2)
+            if step == 2:
+                h.register_hook(lambda g: g * 5.0)
+            h.sum().backward(torch.tensor(1.0))
+    assert torch.equal(w.grad, torch.full((3,), 14.0))
+    meta = json.loads((cap.path / "meta.json").read_text())
+    collapsed = [c["fn"] for c in meta.get("collapsed_wrappers", [])]
+    assert "Tensor.backward" not in collapsed and "torch.nn.functional.relu" in collapsed, collapsed
+    op = ops(read_trace(cap.path))
+    hook = [r for r in op if r["fn"] == "Tensor.mul" and r["depth"] > 0]
+    assert len(hook) == 1 and hook[0]["args"] == [{"slot": "arg1", "type": "float", "value": 5.0}], hook

@@ -1074,3 +1074,32 @@ def test_dumped_complex_and_non_finite_values_are_compared_whole_and_quietly(tmp
         np.save(tmp_path / "d.npy", np.array([2.0, np.inf, np.inf, np.nan]))
         errs = dump_errors(str(tmp_path / "c.npy"), str(tmp_path / "d.npy"))
     assert errs["max_abs_err"] == np.inf and "cosine" not in errs, errs
+
+
+def test_a_call_nested_in_the_first_divergence_that_introduced_its_own_difference_is_named(tmp_path: Path) -> None:
+    """``torch.autograd.grad`` running a custom Function's backward whose factor was edited 0.5 ->
+    0.3: the ``grad`` record (outputs differ, inputs and arguments equal) read like nondeterminism,
+    and the nested ``Tensor.mul`` whose argument changed, introduced too, was never named."""
+    def run(factor: float) -> list[dict[str, Any]]:
+        g = synth.digest_of("grad", str(factor))
+        recs = [synth.op(0, "torch.autograd.grad", 13, "(gw,) = torch.autograd.grad(out, w)", [synth.digest_of("o")],
+                         [g]),
+                synth.op(1, "Tensor.neg", 6, "return g.neg() * ctx.lam, None", [synth.digest_of("g")],
+                         [synth.digest_of("n")]),
+                synth.op(2, "Tensor.mul", 6, "return g.neg() * ctx.lam, None", [synth.digest_of("n")],
+                         [synth.digest_of("m", str(factor))]),
+                synth.op(3, "Tensor.add", 14, "y = gw + 1", [g], [synth.digest_of("y", str(factor))])]
+        for r in recs[1:3]:
+            r.update(parent=0, depth=1)
+        recs[2]["args"] = [synth.arg("arg1", "float", factor)]
+        return recs
+
+    p = run_compare(_write(tmp_path, "a", run(0.5)), _write(tmp_path, "b", run(0.3)), tmp_path / "v.pftrace",
+                    extra=["--json", str(tmp_path / "s.json")])
+    assert p.returncode == 0, p.stderr
+    assert ("first divergence: Tensor.mul at /work/train.py:6, step 0 (A/rank0/capture/2 <-> B/rank0/capture/2): "
+            "arguments differ: arg1: 0.5 -> 0.3") in p.stderr, p.stderr
+    assert ("[a call inside torch.autograd.grad at /work/train.py:13 (A/rank0/capture/0 <-> B/rank0/capture/0), "
+            "whose outputs differ with inputs and arguments equal]") in p.stderr, p.stderr
+    fd = json.loads((tmp_path / "s.json").read_text())["ranks"][0]["first_divergence"]
+    assert fd["inside"].startswith("torch.autograd.grad at /work/train.py:13"), fd
