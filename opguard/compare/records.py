@@ -111,13 +111,18 @@ def arg_changes(a: tuple[Arg, ...] | None, b: tuple[Arg, ...] | None,
     there: ``bias: a tensor -> None``."""
     if a == b:
         return []
-    by_a = {x.slot: x for x in a or ()}
-    by_b = {x.slot: x for x in b or ()}
+    # a positional slot whose parameter name is known is that keyword (torch.clamp(x, 0, 1) and
+    # torch.clamp(x, min=0, max=1) pass the same arguments)
+    by_a = {_keyword(x): x for x in a or ()}
+    by_b = {_keyword(x): x for x in b or ()}
     out = []
     for slot in [*by_a, *(s for s in by_b if s not in by_a)]:
         xa, xb = by_a.get(slot), by_b.get(slot)
-        if xa == xb:
+        if xa == xb or (xa is not None and xb is not None
+                        and (xa.type, xa.value, xa.digest) == (xb.type, xb.value, xb.digest)):
             continue
+        real = [x.slot for x in (xa, xb) if x is not None]
+        slot = next((r for r in real if r != slot), real[0])  # a positional slot as recorded: "min (arg1)"
         # a slot that is a tensor on one side is an input there, not an argument: "a tensor", not "absent"
         absent = "on" if slot == GRAD_SLOT else "absent"
         sa = ("a tensor" if slot in tensors_a else absent) if xa is None else xa.show()
@@ -127,6 +132,10 @@ def arg_changes(a: tuple[Arg, ...] | None, b: tuple[Arg, ...] | None,
         label = (xb.label if xb is not None else None) or (xa.label if xa is not None else None)
         out.append(f"{label} ({slot}): {sa} -> {sb}" if label else f"{slot}: {sa} -> {sb}")
     return out
+
+
+def _keyword(x: Arg) -> str:
+    return x.label if x.label and x.slot.startswith("arg") and x.slot[3:].isdigit() else x.slot
 
 
 @dataclass(slots=True)

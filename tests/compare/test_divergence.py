@@ -1103,3 +1103,27 @@ def test_a_call_nested_in_the_first_divergence_that_introduced_its_own_differenc
             "whose outputs differ with inputs and arguments equal]") in p.stderr, p.stderr
     fd = json.loads((tmp_path / "s.json").read_text())["ranks"][0]["first_divergence"]
     assert fd["inside"].startswith("torch.autograd.grad at /work/train.py:13"), fd
+
+
+def test_an_argument_passed_by_keyword_instead_of_position_is_the_same_argument(tmp_path: Path) -> None:
+    """``torch.clamp(x, 0, 1)`` refactored to ``torch.clamp(x, min=0, max=1)``: the same call, read
+    as "arguments differ: min (arg1): 0 -> absent; max (arg2): 1 -> absent; min: absent -> 0; ..."
+    and counted as introduced. A positional slot whose parameter name is known is that keyword."""
+    def run(args: list[dict[str, Any]], out: str = "c") -> list[dict[str, Any]]:
+        rec = synth.op(0, "torch.clamp", 5, "y = torch.clamp(x, 0, 1)", [synth.digest_of("x")],
+                       [synth.digest_of(out)])
+        rec["args"] = args
+        return [rec]
+
+    meta = {"arg_names": {"torch.clamp": ["input", "min", "max"]}}
+    positional = [synth.arg("arg1", "int", 0), synth.arg("arg2", "int", 1)]
+    synth.write_rank(tmp_path / "a", 0, run(positional), version=2, meta=meta)
+    synth.write_rank(tmp_path / "b", 0, run([synth.arg("min", "int", 0), synth.arg("max", "int", 1)]),
+                     version=2, meta=meta)
+    synth.write_rank(tmp_path / "c", 0, run([synth.arg("min", "int", 0), synth.arg("max", "float", 0.5)], "d"),
+                     version=2, meta=meta)
+    p = run_compare(tmp_path / "a", tmp_path / "b", tmp_path / "v.pftrace")
+    assert p.returncode == 0 and "no divergence" in p.stderr and "mismatch 0" in p.stderr, p.stderr
+    p = run_compare(tmp_path / "a", tmp_path / "c", tmp_path / "w.pftrace")
+    assert "arguments differ: max (arg2): 1 (int) -> 0.5 (float)" in p.stderr, p.stderr
+    assert "absent" not in p.stderr, p.stderr
