@@ -471,20 +471,38 @@ def capture(env: dict[str, str] | None = None, **options: Any) -> Iterator[Captu
     are not applied, stderr says so once. In a process that ``opguard-run --capture`` left
     uncaptured (another process of the command holds its rank's capture) the block runs uncaptured
     and yields None, saying why once (docs/capture.md §1)."""
-    running = _active
+    with _starting:  # one start at a time: blocks entered at once by several threads start one capture
+        running = _active
+        if running is None:
+            try:
+                cap = Capture(CaptureOptions.from_env(env, **options), env).start()
+            except HeldByThisRun as held:  # opguard-run --capture captures another process of this rank
+                why = ("this process's capture (opguard-run --capture) has already ended"
+                       if str(held.pid) == str(os.getpid()) else
+                       f"its rank's capture is held by pid {held.pid} of this same opguard-run --capture command")
+                _say_once("held", f"opguard capture: warning: the capture() block of pid {os.getpid()} runs "
+                          f"uncaptured: {why} (docs/capture.md §1)")
+                cap = None
+            running = None
     if running is not None:
-        _say_once("inner", "opguard capture: warning: this process is already captured (opguard-run --capture, or "
-                  "an enclosing capture() block): a capture() block inside records into that capture"
-                  + (f", without its own options ({', '.join(sorted(options))})" if options or env else "")
-                  + " (docs/capture.md §1)")
-        yield running
+        if getattr(running.session, "pid", None) != os.getpid():
+            _say_once("forked", f"opguard capture: warning: the capture() block of pid {os.getpid()} runs uncaptured: "
+                      "the process was forked from a captured one, and a forked child records nothing "
+                      "(docs/capture.md §11)")
+            yield None
+        elif threading.get_ident() != running._thread:
+            _say_once("thread", "opguard capture: warning: a capture() block in another thread than the one "
+                      "capturing this process runs uncaptured: capture records the thread that started it "
+                      "(docs/capture.md §11)")
+            yield None
+        else:
+            _say_once("inner", "opguard capture: warning: this process is already captured (opguard-run --capture, "
+                      "or an enclosing capture() block): a capture() block inside records into that capture"
+                      + (f", without its own options ({', '.join(sorted(options))})" if options or env else "")
+                      + " (docs/capture.md §1)")
+            yield running
         return
-    try:
-        cap = Capture(CaptureOptions.from_env(env, **options), env).start()
-    except HeldByThisRun as held:  # opguard-run --capture captures another process of this rank: run as is
-        _say_once("held", f"opguard capture: warning: the capture() block of pid {os.getpid()} runs uncaptured: its "
-                  f"rank's capture is held by pid {held.pid} of this same opguard-run --capture command "
-                  "(docs/capture.md §1)")
+    if cap is None:
         yield None
         return
     try:
@@ -494,6 +512,7 @@ def capture(env: dict[str, str] | None = None, **options: Any) -> Iterator[Captu
 
 
 _said: set[str] = set()
+_starting = threading.Lock()
 
 
 def _say_once(kind: str, text: str) -> None:

@@ -72,6 +72,11 @@ def _tag(ident: dict[str, Any], outs: list[tuple[str, torch.Tensor]]) -> None:
 
 
 class AtenMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
+    # an eager higher-order operator (torch.cond, while_loop, scan, flex_attention) comes here as
+    # itself (its namespace is not aten: it runs as it is) instead of raising NotImplementedError
+    # ("no rule registered for HigherOrderOperator cond and mode AtenMode")
+    supports_higher_order_operators = True
+
     def __init__(self, session: Session) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
         self.session = session

@@ -139,6 +139,15 @@ _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
 _OPS_FILE = os.path.join(_TORCH_DIR, "_ops.py")
 
 
+def _first(func: Any, args: Sequence[Any]) -> Any:
+    """What tells a call apart from PyTorch coming back for the same call (the re-entry rule): its
+    first argument; a higher-order operator's second (``custom_function_call(Function, x, ...)``:
+    the Function is the same at every torch.func level, ``x`` is unwrapped one level further)."""
+    if isinstance(func, _HOP) and len(args) > 1:
+        return args[1]
+    return args[0] if args else None
+
+
 def _aten_by_program(s: Session, caller: Any, func: Any) -> None:
     """Count an ATen operator called by code outside PyTorch (an exported program's module, whose
     generated ``forward`` calls ``torch.ops.aten.*``): unrecorded at level=function, said in the
@@ -412,7 +421,7 @@ class CaptureMode(TorchFunctionMode):
         inflight = self.inflight
         if inflight:
             f0, a0 = inflight[-1]
-            if f0 is func and (a0 is _ANY or (args[0] if args else None) is a0):
+            if f0 is func and (a0 is _ANY or _first(func, args) is a0):
                 return via(func, args, kwargs)  # PyTorch came back for the call being handled: run it
         try:
             try:
@@ -511,7 +520,7 @@ class CaptureMode(TorchFunctionMode):
                 wrappers.watching += 1
         try:
             if reenter:
-                inflight.append((func, args[0] if args else None))
+                inflight.append((func, _first(func, args)))
                 try:
                     with self:
                         result = via(_skip_one_hop, (func, types, args, kwargs), {})

@@ -329,9 +329,19 @@ def restart_count(env: Mapping[str, str]) -> int:
     return int(raw)
 
 
+_forward_ad = torch.autograd.forward_ad  # its _current_level: >= 0 while a dual level is open
 _dispatch_modes = torch._C._len_torch_dispatch_stack  # TorchDispatchModes on the stack (Python key)
 _pre_dispatch_modes: Any = torch._ops._len_torch_dispatch_stack_pre_dispatch  # make_fx(pre_dispatch=True)'s
 _no_dispatch_modes: Any = torch.utils._python_dispatch._disable_current_modes
+
+
+def _outside_modes(fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)`` with the program's TorchDispatchModes off the stack, when there are any:
+    capture's own torch calls are never traced into its graph nor seen by its mode."""
+    if _dispatch_modes() or _pre_dispatch_modes():
+        with _no_dispatch_modes():
+            return fn(*args)
+    return fn(*args)
 
 
 def _pid_of(meta_path: Path) -> Any:
@@ -429,6 +439,7 @@ class Session:
         # the aten op the dispatch level is recording while it runs (dispatch.AtenMode): its writes and
         # marks (§3.7) are that record's, not an unrecorded torch.ops call's (mode.CaptureMode.handle)
         self.aten_op: Any = None
+        self.dispatch_level = options.level == "dispatch"
         self.waits: Any = None  # waits.AsyncWaits while capture runs: asynchronous collectives' works
         # forward-AD dual levels with a tangent of uninitialised memory attached (duals.py, §3.7)
         self.tainted_levels: set[Any] = set()
@@ -543,6 +554,10 @@ class Session:
                 return self._fast_host(t, key, n, code if want_stats else None)
         # the statistics of the memory range it spans serve a dense non-contiguous tensor, not a lazy view
         range_stats = not contiguous and not fresh and not (conj or neg)
+        if self.dispatch_level and _forward_ad._current_level >= 0 and not (self.host is not None and t.is_cpu):
+            # PyTorch-ops path below autograd (level=dispatch) inside a forward-mode AD level: its
+            # out= kernels on such tensors crashed the process (segfault; docs/capture.md §5.2)
+            return "forward-mode AD below autograd: not summarised on the PyTorch-ops path"
         self.busy += 1
         try:
             if _dispatch_modes() or _pre_dispatch_modes():
@@ -1464,7 +1479,7 @@ class Session:
                 continue
             self.busy += 1
             try:
-                data = dumps.serialize(t)
+                data = _outside_modes(dumps.serialize, t)
             finally:
                 self.busy -= 1
             if not self._account(len(data)):
@@ -1481,7 +1496,7 @@ class Session:
         self._sealed = 0
         self.busy += 1
         try:
-            self._flush(calls)
+            _outside_modes(self._flush, calls)  # its torch.stack never in the program's graph or mode
         except Exception as err:  # never into the program: these records are lost, said on stderr and in meta
             self.dropped += sum(1 for c in calls if isinstance(c, bytes) or c.rec.get("kind") == "op")
             self.failed("writing", err)

@@ -2491,3 +2491,78 @@ def test_backward_is_never_collapsed_so_hooks_added_later_are_recorded(tmp_path:
     op = ops(read_trace(cap.path))
     hook = [r for r in op if r["fn"] == "Tensor.mul" and r["depth"] > 0]
     assert len(hook) == 1 and hook[0]["args"] == [{"slot": "arg1", "type": "float", "value": 5.0}], hook
+
+
+def test_a_custom_function_under_two_transform_levels_records_its_forward(tmp_path: Path) -> None:
+    """Under ``grad(grad(...))``, ``vmap(grad(...))``, ``jacrev(jacrev(...))``, ``custom_function_call`` comes
+    back to the mode once per level with the same Function as first argument: the re-entry rule
+    took the inner call for the outer one and ran it unrecorded, so the forward's calls (an edit
+    there) were in no record. A higher-order operator's calls are told apart by their tensor."""
+    from torch.func import grad, jacrev, vmap
+
+    x = torch.tensor([0.5, -1.0, 2.0])
+
+    def program() -> list[torch.Tensor]:
+        f = lambda v: _Square.apply(v).sum()  # noqa: E731
+        return [grad(grad(lambda v: _Square.apply(v).sum()))(x[0]), vmap(grad(f))(x[:, None]),
+                jacrev(jacrev(f))(x)]
+
+    want = program()
+    with oc.capture(env={"OPGUARD_TRACE_OUTPUT_BASE": str(tmp_path)}) as cap:
+        got = program()
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    op = ops(read_trace(cap.path))
+    top = [r for r in op if r["fn"] == "torch.ops.higher_order.custom_function_call" and r["depth"] == 0]
+    assert len(top) == 3, [r["fn"] for r in op]
+    for h in top:  # x * x of _Square.forward below it, at some depth
+        below, seqs = [], {h["seq"]}
+        for r in op:
+            if r["parent"] in seqs:
+                seqs.add(r["seq"])
+                below.append(r)
+        assert any(r["fn"] == "Tensor.mul" and r["func"] in ("forward", "vmap") for r in below), below
+
+
+def test_capture_blocks_entered_by_several_threads_at_once_start_one_capture(tmp_path: Path,
+                                                                            capfd: pytest.CaptureFixture[str]) -> None:
+    """Four threads entering ``oc.capture()`` at once: two could each start a capture writing the same
+    ``trace.jsonl`` (seq 0.. twice, two ``end`` records, read by compare as one stream), the others
+    were refused with "already active ... capture() blocks inside a running capture record into it".
+    One start at a time now; a block in another thread than the capturing one runs uncaptured and
+    says so (capture records the thread that started it)."""
+    import threading
+
+    from opguard.capture import api
+
+    api._said.discard("thread")  # said once per process
+    barrier, got, lock = threading.Barrier(4), [], threading.Lock()
+    env = {"OPGUARD_TRACE_OUTPUT_BASE": str(tmp_path)}
+    others_done = threading.Semaphore(0)
+
+    def work() -> None:
+        barrier.wait(30)
+        with oc.capture(env=env) as cap:
+            with lock:
+                got.append(cap)
+            for _ in range(10):
+                torch.ones(3).sin()
+            if cap is not None:  # the capturing thread stays in its block until the other three are done
+                for _ in range(3):
+                    assert others_done.acquire(timeout=30)
+        if cap is None:
+            others_done.release()
+
+    threads = [threading.Thread(target=work) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert len(got) == 4 and sum(c is not None for c in got) == 1, got
+    lines = [json.loads(x) for x in (tmp_path / "ranks" / "rank-000000" / "capture" / "trace.jsonl").read_text()
+             .splitlines()]
+    assert sum(r["kind"] == "end" for r in lines) == 1
+    seqs = [r["seq"] for r in lines if r["kind"] == "op"]
+    assert seqs == sorted(set(seqs)) and len(seqs) == 20, seqs
+    err = capfd.readouterr().err
+    assert err.count("a capture() block in another thread than the one capturing this process runs "
+                     "uncaptured") == 1, err
