@@ -2566,3 +2566,54 @@ def test_capture_blocks_entered_by_several_threads_at_once_start_one_capture(tmp
     err = capfd.readouterr().err
     assert err.count("a capture() block in another thread than the one capturing this process runs "
                      "uncaptured") == 1, err
+
+
+@pytest.mark.parametrize("options", [{"host_kernel": "torch"}, {"dump_steps": "0"}, {"digest": "sample"}])
+def test_capture_s_flush_and_dumps_run_outside_the_program_s_dispatch_mode(tmp_path: Path,
+                                                                          options: dict[str, str]) -> None:
+    """A counting TorchDispatchMode around 600 ops: capture's flush (one ``torch.stack`` per device
+    and kind, every 256 records) and its tensor dumps' copies ran inside it: the program counted
+    ``aten.stack`` and 1200 ``_to_copy``/``detach`` it never called, and a ``make_fx`` graph grew."""
+    import collections
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.c: collections.Counter[str] = collections.Counter()
+
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            self.c[str(func)] += 1
+            return func(*args, **(kwargs or {}))
+
+    with oc.capture(env={"OPGUARD_TRACE_OUTPUT_BASE": str(tmp_path)}, **options):
+        x = torch.ones(3)
+        with Count() as m:
+            for _ in range(600):
+                x = torch.sin(x)
+    assert dict(m.c) == {"aten.sin.default": 600}, m.c
+
+
+def test_dispatch_level_runs_eager_higher_order_operators_and_forward_ad_on_the_torch_path(tmp_path: Path) -> None:
+    """At level=dispatch, eager ``torch.cond`` raised NotImplementedError ("no rule registered for
+    HigherOrderOperator cond and mode AtenMode"), and with ``host_kernel=torch`` a forward-mode AD
+    dual tensor crashed the process (segfault in the digest's out= kernels) — run in a child."""
+    import subprocess
+    import sys
+
+    code = ("import torch, sys\nimport torch.autograd.forward_ad as fwAD\nimport opguard.capture as oc\n"
+            "x = torch.randn(4, 6, generator=torch.Generator().manual_seed(0))\n"
+            "with oc.capture(env={'OPGUARD_TRACE_OUTPUT_BASE': sys.argv[1]}, level='dispatch', host_kernel='torch'):\n"
+            "    y = torch.cond(x.sum() > 0, lambda a: a.sin(), lambda a: a.cos(), (x,))\n"
+            "    with fwAD.dual_level():\n"
+            "        d = fwAD.make_dual(x, torch.ones_like(x))\n"
+            "        t = fwAD.unpack_dual(d * 2).tangent\n"
+            "print(float(y.sum()), float(t.sum()))\n")
+    r = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, (r.returncode, r.stderr[-2000:])
+    assert r.stdout.split()[1] == "48.0", r.stdout
+    op = ops(read_trace(tmp_path / "ranks" / "rank-000000" / "capture"))
+    assert any(r["fn"] == "torch.ops.higher_order.cond" for r in op)
+    mul = next(r for r in op if r["fn"] == "aten::mul.Tensor")
+    assert mul["outputs"][0]["reason"] == "forward-mode AD below autograd: not summarised on the PyTorch-ops path"
