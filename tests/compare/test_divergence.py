@@ -899,6 +899,13 @@ def test_values_read_as_python_writes_them() -> None:
         "array([1.0, nan, -inf], dtype=float64)"
 
 
+def _compared(tmp_path: Path, recs_a: list[dict[str, Any]], recs_b: list[dict[str, Any]]) -> Any:
+    """``opguard compare`` of two one-rank runs written from these records (exit status 0)."""
+    p = run_compare(_write(tmp_path, "a", recs_a), _write(tmp_path, "b", recs_b), tmp_path / "v.pftrace")
+    assert p.returncode == 0, p.stderr
+    return p
+
+
 def test_other_inputs_name_an_earlier_draw_recorded_without_content(tmp_path: Path) -> None:
     """A seed edited before ``vmap(F.dropout, randomness="different")``: the draw's outputs are
     torch.func wrappers, recorded without content, so its pair is ok, and the first mismatch is the
@@ -915,10 +922,7 @@ def test_other_inputs_name_an_earlier_draw_recorded_without_content(tmp_path: Pa
         recs[1]["outputs"][0].update(digest=None, reason=why, stats=None)
         return recs
 
-    a = _write(tmp_path, "a", run(synth.digest_of("drawn", "a")))
-    b = _write(tmp_path, "b", run(synth.digest_of("drawn", "b")))
-    p = run_compare(a, b, tmp_path / "v.pftrace")
-    assert p.returncode == 0, p.stderr
+    p = _compared(tmp_path, run(synth.digest_of("drawn", "a")), run(synth.digest_of("drawn", "b")))
     assert ("first divergence: Tensor.sum at /work/train.py:6, step 0 (A/rank0/capture/2 <-> B/rank0/capture/2): "
             "inputs differ, although every earlier operation of this stream agrees where recorded: before it, "
             "torch.dropout at /work/train.py:5 (A/rank0/capture/1) drew random numbers into outputs capture "
@@ -940,10 +944,7 @@ def test_a_later_draw_names_an_earlier_draw_recorded_without_content(tmp_path: P
         recs[0]["outputs"][0].update(digest=None, reason=why, stats=None)
         return recs
 
-    a = _write(tmp_path, "a", run(synth.digest_of("randn", "a")))
-    b = _write(tmp_path, "b", run(synth.digest_of("randn", "b")))
-    p = run_compare(a, b, tmp_path / "v.pftrace")
-    assert p.returncode == 0, p.stderr
+    p = _compared(tmp_path, run(synth.digest_of("randn", "a")), run(synth.digest_of("randn", "b")))
     assert ("in a random draw (the generator's state differs: another seed, or another number of draws before it; "
             "before it, torch.dropout at /work/train.py:5 (A/rank0/capture/0) drew random numbers into outputs "
             f"capture recorded without content ({why}): it may have drawn differently)") in p.stderr, p.stderr
