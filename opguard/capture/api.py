@@ -469,8 +469,9 @@ def capture(env: dict[str, str] | None = None, **options: Any) -> Iterator[Captu
     Inside a capture already running in this process (``opguard-run --capture`` captures the whole
     program; or an enclosing block) the block records into that one and yields it: its own options
     are not applied, stderr says so once. In a process that ``opguard-run --capture`` left
-    uncaptured (another process of the command holds its rank's capture) the block runs uncaptured
-    and yields None, saying why once (docs/capture.md §1)."""
+    uncaptured (another process of the command holds its rank's capture, or its capture ended), in
+    another thread than the capturing one, or in a child forked from a captured process, the block
+    runs uncaptured and yields None, saying why once (docs/capture.md §1)."""
     with _starting:  # one start at a time: blocks entered at once by several threads start one capture
         running = _active
         if running is None:
@@ -483,7 +484,6 @@ def capture(env: dict[str, str] | None = None, **options: Any) -> Iterator[Captu
                 _say_once("held", f"opguard capture: warning: the capture() block of pid {os.getpid()} runs "
                           f"uncaptured: {why} (docs/capture.md §1)")
                 cap = None
-            running = None
     if running is not None:
         if getattr(running.session, "pid", None) != os.getpid():
             _say_once("forked", f"opguard capture: warning: the capture() block of pid {os.getpid()} runs uncaptured: "
