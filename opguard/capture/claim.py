@@ -31,8 +31,14 @@ def holder(meta_path: Path, environ: Mapping[str, str]) -> Any:
     token = environ.get(RUN_ENV)
     if not token:
         return None
+    meta = meta_of(meta_path)
+    return meta.get("pid", "?") if meta.get("run") == token else None
+
+
+def meta_of(meta_path: Path) -> dict[str, Any]:
+    """A capture's ``meta.json`` as a dict (empty when unreadable or not an object)."""
     try:
         meta = json.loads(meta_path.read_text())
     except (OSError, ValueError):
-        return None
-    return meta.get("pid", "?") if isinstance(meta, dict) and meta.get("run") == token else None
+        return {}
+    return meta if isinstance(meta, dict) else {}

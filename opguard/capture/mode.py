@@ -44,7 +44,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from opguard.capture import duals, records
-from opguard.capture.customops import program_op
+from opguard.capture.customops import _TORCH_DIR, program_op
 from opguard.capture.dynamo_marks import runs_program
 from opguard.capture.frames import register, standin
 from opguard.capture.session import ANY as _ANY
@@ -135,7 +135,6 @@ def _unselected(s: Session, name: str, func: Any, args: Sequence[Any], kwargs: M
     return result
 
 
-_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
 _OPS_FILE = os.path.join(_TORCH_DIR, "_ops.py")
 
 

@@ -28,7 +28,7 @@ from opguard import __version__ as opguard_version
 from opguard.capture import dumps, hostkernel, records
 from opguard.capture.argnames import ArgNames
 from opguard.capture.callsite import Site, SiteTable
-from opguard.capture.claim import RUN_ENV, HeldByThisRun, holder
+from opguard.capture.claim import RUN_ENV, HeldByThisRun, holder, meta_of
 from opguard.capture.digest import ALGORITHM, SAMPLE, Digester, finish, finish_moments, finish_stats, stats_row
 from opguard.capture.dumps import DumpPolicy, matches
 from opguard.capture.options import CaptureOptions
@@ -344,15 +344,6 @@ def _outside_modes(fn: Callable[..., Any], *args: Any) -> Any:
     return fn(*args)
 
 
-def _pid_of(meta_path: Path) -> Any:
-    """The ``pid`` a capture's ``meta.json`` names (None when unreadable)."""
-    try:
-        meta = json.loads(meta_path.read_text())
-    except (OSError, ValueError):
-        return None
-    return meta.get("pid") if isinstance(meta, dict) else None
-
-
 class Session:
     def __init__(self, options: CaptureOptions, env: dict[str, str] | None = None) -> None:
         environ = dict(os.environ) if env is None else env
@@ -365,7 +356,7 @@ class Session:
             held = holder(self.dir / CAPTURE_META_FILE, environ)
             if held is not None:
                 raise HeldByThisRun(held)
-            if _pid_of(self.dir / CAPTURE_META_FILE) == os.getpid():  # an earlier capture() block of this process
+            if meta_of(self.dir / CAPTURE_META_FILE).get("pid") == os.getpid():  # an earlier capture() block here
                 raise ConfigError(f"this process (pid {os.getpid()}) already captured into {self.dir} in an earlier "
                                   "capture() block; a rank's directory holds one capture",
                                   "keep one capture() block open over every part to capture (choose the steps with "
@@ -560,18 +551,12 @@ class Session:
             return "forward-mode AD below autograd: not summarised on the PyTorch-ops path"
         self.busy += 1
         try:
-            if _dispatch_modes() or _pre_dispatch_modes():
-                # a tracer (make_fx, and torch.func.linearize through it), a FlopCounterMode or any
-                # other TorchDispatchMode of the program's (or capture's own dispatch level): capture's
-                # tensor work runs outside them, never traced into the program's graph nor seen by
-                # its mode (before, the torch path's hashing ops were in make_fx's graph)
-                with _no_dispatch_modes():
-                    if self.host is not None and t.is_cpu:
-                        return self._summarize_host(t, key, s, n, want_stats and bool(n), range_stats)
-                    return self._summarize(t, key, s, n, want_stats and bool(n), range_stats)
-            if self.host is not None and t.is_cpu:
-                return self._summarize_host(t, key, s, n, want_stats and bool(n), range_stats)
-            return self._summarize(t, key, s, n, want_stats and bool(n), range_stats)
+            # outside the program's TorchDispatchModes (a tracer: make_fx, and torch.func.linearize
+            # through it; a FlopCounterMode; capture's own dispatch level): never traced into its
+            # graph nor seen by its mode (before, the torch path's hashing ops were in make_fx's graph)
+            run = self._summarize_host if self.host is not None and t.is_cpu else self._summarize
+            out: _Summary | str = _outside_modes(run, t, key, s, n, want_stats and bool(n), range_stats)
+            return out
         finally:
             self.busy -= 1
 

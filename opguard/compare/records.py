@@ -118,9 +118,8 @@ def arg_changes(a: tuple[Arg, ...] | None, b: tuple[Arg, ...] | None,
     out = []
     for slot in [*by_a, *(s for s in by_b if s not in by_a)]:
         xa, xb = by_a.get(slot), by_b.get(slot)
-        if xa == xb or (xa is not None and xb is not None
-                        and (xa.type, xa.value, xa.digest) == (xb.type, xb.value, xb.digest)):
-            continue
+        if xa is not None and xb is not None and (xa.type, xa.value, xa.digest) == (xb.type, xb.value, xb.digest):
+            continue  # equal but for the slot's form (an Arg's equality includes its slot)
         real = [x.slot for x in (xa, xb) if x is not None]
         slot = next((r for r in real if r != slot), real[0])  # a positional slot as recorded: "min (arg1)"
         # a slot that is a tensor on one side is an input there, not an argument: "a tensor", not "absent"
